@@ -1,0 +1,31 @@
+"""dtensor_fsdp: per-parameter fully sharded data parallelism on DTensor.
+
+A drop-in for ``torch.distributed.fsdp``'s FSDP2 API: switch with one import line.
+"""
+
+from .api import (
+    AllGather,
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ReduceScatter,
+)
+from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .trace import CommEvent, CommTrace, LifecycleEvent
+
+__all__ = [
+    "AllGather",
+    "CPUOffloadPolicy",
+    "CommEvent",
+    "CommTrace",
+    "DataParallelMeshDims",
+    "FSDPModule",
+    "LifecycleEvent",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ReduceScatter",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]

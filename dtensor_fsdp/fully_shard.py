@@ -1,0 +1,479 @@
+"""fully_shard(), FSDPModule, UnshardHandle and register_fsdp_forward_method.
+
+``fully_shard`` validates everything and builds the sharded parameters off to the side
+before it changes anything, so an error leaves the module exactly as it was (torch's
+FSDP2 registers hooks before its parameter checks).
+"""
+
+import functools
+from collections.abc import Callable, Iterator
+from types import MethodType
+from typing import Any, overload
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .api import (
+    AllGather,
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ReduceScatter,
+)
+from .mesh import MeshInfo, default_mesh, mesh_info_for
+from .param import ParamSlot
+from .param_group import FSDPParamGroup
+from .state import STATE_ATTR, FSDPState, state_of
+from .trace import CommTrace
+
+
+@overload
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
+) -> "FSDPModule": ...
+
+
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
+) -> list["FSDPModule"]: ...
+
+
+def fully_shard(
+    module,
+    *,
+    mesh=None,
+    reshard_after_forward=None,
+    shard_placement_fn=None,
+    mp_policy=MixedPrecisionPolicy(),
+    offload_policy=OffloadPolicy(),
+    ignored_params=None,
+    dp_mesh_dims=None,
+):
+    """Shard ``module``'s parameters across the data-parallel ranks of ``mesh``, in place.
+
+    Every parameter of ``module`` not already managed by an earlier ``fully_shard`` call
+    (on a submodule) becomes an ``nn.Parameter`` wrapping a ``DTensor`` with ``Shard(0)``
+    placement; together they form one group, all-gathered before ``module``'s forward in
+    one collective and reduce-scattered after its backward in one collective. Call it
+    bottom-up: on each transformer block, then on the root. A list of modules makes one
+    group of all their parameters.
+
+    Args:
+        module: the module, or list of modules, to shard as one group.
+        mesh: the data-parallel ``DeviceMesh``. ``None`` builds a 1-D mesh over the
+            default process group. Its device type decides where shards live.
+        reshard_after_forward: ``True`` frees the unsharded parameters after forward
+            and all-gathers them again in backward; ``False`` keeps them until after
+            backward; ``None`` means ``True``, except for the root, which keeps them.
+        shard_placement_fn: per-parameter placement override (not yet supported).
+        mp_policy: mixed precision (not yet supported beyond the default).
+        offload_policy: CPU offloading (not yet supported beyond the default).
+        ignored_params: parameters to leave alone: not sharded, not moved, not reduced.
+        dp_mesh_dims: data-parallel axes of a full SPMD mesh (not yet supported).
+
+    Returns:
+        ``module``, now also an instance of ``FSDPModule`` (a list, for a list).
+
+    Raises:
+        TypeError: ``module`` is not a module or a list of modules.
+        ValueError: a module was already passed to ``fully_shard``, a parameter is
+            already a DTensor (sharded by another group, or tensor-parallel), or a
+            parameter or buffer is on a device other than the mesh's.
+        NotImplementedError: an argument needs a capability not built yet.
+    """
+    modules = _validate_modules(module)
+    _reject_unsupported(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, dp_mesh_dims)
+    mesh_info = mesh_info_for(mesh if mesh is not None else default_mesh())
+    device = mesh_info.device
+    ignored = set(ignored_params or ())
+    params = _collect_params(modules, ignored)
+    _validate_devices(params, device)
+    buffers = _moved_buffers(modules, device)
+    param_device = _param_device(params, device)
+
+    # Everything below mutates: nothing in it may raise on user input.
+    group = (
+        FSDPParamGroup(
+            params,
+            modules,
+            mesh_info,
+            param_device,
+            reshard_after_forward=reshard_after_forward is not False,
+            fqn="",
+        )
+        if params
+        else None
+    )
+    state = FSDPState(modules, group, auto_reshard_after_forward=reshard_after_forward is None)
+    if group is not None:
+        group.to_sharded_modules()
+    for owner, name, tensor in buffers:
+        owner._buffers[name] = tensor
+    for m in modules:
+        m.__dict__[STATE_ATTR] = state
+        m.__class__ = _fsdp_class(type(m))
+    state.register_hooks()
+    return module
+
+
+# Validation #
+
+
+def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
+    if isinstance(module, nn.Module):
+        modules: tuple[Any, ...] = (module,)
+    elif isinstance(module, (list, tuple)) and module:
+        modules = tuple(module)
+    else:
+        raise TypeError(
+            f"fully_shard expects an nn.Module or a non-empty list of nn.Modules, "
+            f"got {type(module).__name__}"
+        )
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__} in the list")
+        if state_of(m) is not None:
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__} module; a module "
+                "can be passed to fully_shard once. To change its grouping, build the model "
+                "again and call fully_shard([module_a, module_b]) for one group of both"
+            )
+    return modules
+
+
+def _reject_unsupported(
+    reshard_after_forward: Any,
+    shard_placement_fn: Any,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    dp_mesh_dims: Any,
+) -> None:
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard_after_forward!r}: resharding to a smaller world "
+            "size after forward (an int) is not implemented yet (issue 3); use True or False"
+        )
+    if shard_placement_fn is not None:
+        raise NotImplementedError("shard_placement_fn is not implemented yet (issue 4)")
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("dp_mesh_dims is not implemented yet (issue 4)")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if mp_policy.is_enabled:
+        raise NotImplementedError(f"mixed precision ({mp_policy}) is not implemented yet (issue 5)")
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError("CPUOffloadPolicy is not implemented yet (issue 5)")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
+
+
+def _walk(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(prefix, module) for ``root``'s subtree, skipping subtrees an earlier
+    ``fully_shard`` already owns: their parameters belong to their groups."""
+    stack: list[tuple[str, nn.Module]] = [("", root)]
+    while stack:
+        prefix, module = stack.pop()
+        yield prefix, module
+        children = [
+            (f"{prefix}{name}.", child)
+            for name, child in module.named_children()
+            if state_of(child) is None
+        ]
+        stack.extend(reversed(children))
+
+
+def _collect_params(
+    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
+) -> list[tuple[str, nn.Parameter, list[ParamSlot]]]:
+    """Each parameter this call manages, once, with every slot it is registered in."""
+    found: dict[int, tuple[str, nn.Parameter, list[ParamSlot]]] = {}
+    for root in modules:
+        root_name = type(root).__name__
+        for prefix, module in _walk(root):
+            for name, param in module._parameters.items():
+                if param is None or param in ignored:
+                    continue
+                fqn = f"{prefix}{name}"
+                if isinstance(param, DTensor):
+                    raise ValueError(
+                        f"fully_shard({root_name}): parameter '{fqn}' is already a DTensor. "
+                        "Either an earlier fully_shard call sharded it (a parameter shared "
+                        "between modules must be in one group: call fully_shard on their "
+                        "common ancestor, or fully_shard([module_a, module_b])), or it is "
+                        "tensor-parallel, which is not supported yet (issue 4)"
+                    )
+                if param.dim() == 0:
+                    raise ValueError(
+                        f"fully_shard({root_name}): parameter '{fqn}' is 0-dimensional and "
+                        "cannot be sharded on dim 0; pass it in ignored_params"
+                    )
+                entry = found.setdefault(id(param), (fqn, param, []))
+                entry[2].append(ParamSlot(module, name))
+    params = list(found.values())
+    _validate_grad_dtypes(params)
+    return params
+
+
+def _validate_grad_dtypes(params: list[tuple[str, nn.Parameter, list[ParamSlot]]]) -> None:
+    # One reduce-scatter per group needs one gradient dtype.
+    dtypes = {p.dtype: fqn for fqn, p, _ in params if p.requires_grad}
+    if len(dtypes) > 1:
+        named = ", ".join(f"'{fqn}' ({dtype})" for dtype, fqn in dtypes.items())
+        raise NotImplementedError(
+            f"fully_shard: trainable parameters of one group have different dtypes: {named}. "
+            "Shard them in separate fully_shard calls, or cast the module to one dtype"
+        )
+
+
+def _validate_devices(params: list[tuple[str, nn.Parameter, list[ParamSlot]]], device: torch.device) -> None:
+    for fqn, param, _ in params:
+        _check_device(f"parameter '{fqn}'", param, device)
+    kinds = {param.device.type == "meta" for _, param, _ in params}
+    if len(kinds) > 1:
+        raise ValueError(
+            "fully_shard: some parameters of this group are on the meta device and some are "
+            "not; initialize them all on meta (then to_empty after fully_shard) or none"
+        )
+
+
+def _check_device(what: str, tensor: torch.Tensor, device: torch.device) -> None:
+    # CPU tensors are moved to an accelerator mesh's device, as torch's fully_shard does;
+    # meta tensors stay on meta. Anything else on another device is a mistake.
+    if tensor.device.type in ("meta", device.type) and (
+        tensor.device.index is None or device.index is None or tensor.device == device
+    ):
+        return
+    if tensor.device.type == "cpu":
+        return
+    raise ValueError(
+        f"fully_shard: {what} is on {tensor.device}, but the mesh's device is {device}. "
+        f"Move the module to {device} before fully_shard (module.to({str(device)!r})), or "
+        f"build the mesh for device type {tensor.device.type!r}"
+    )
+
+
+def _moved_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    moved = []
+    for root in modules:
+        for prefix, module in _walk(root):
+            for name, buffer in module._buffers.items():
+                if buffer is None or buffer.device.type == "meta" or buffer.device == device:
+                    continue
+                _check_device(f"buffer '{prefix}{name}'", buffer, device)
+                moved.append((module, name, buffer.to(device)))
+    return moved
+
+
+def _param_device(params: list[tuple[str, nn.Parameter, list[ParamSlot]]], device: torch.device) -> torch.device:
+    if params and params[0][1].device.type == "meta":
+        return torch.device("meta")
+    return device
+
+
+@functools.cache
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<cls>``: FSDPModule first in the MRO so its methods win, cls's still work."""
+    if issubclass(cls, FSDPModule):
+        return cls
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+
+
+# Public module class #
+
+
+class FSDPModule:
+    """Mixed into every module passed to ``fully_shard`` (``isinstance(m, FSDPModule)``)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Instances are made by fully_shard's class swap, never constructed directly:
+        # ``FSDPLinear(...)`` builds a plain Linear, as in torch.
+        orig_cls = cls.__mro__[2]
+        self = orig_cls.__new__(orig_cls, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _get_fsdp_state(self) -> FSDPState:
+        state = state_of(self)  # type: ignore[arg-type]
+        assert state is not None, "FSDPModule without FSDP state"
+        return state
+
+    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._get_fsdp_state()]
+        seen: dict[int, FSDPState] = {}
+        for module in self.modules():  # type: ignore[attr-defined]
+            state = state_of(module)
+            if state is not None:
+                seen.setdefault(id(state), state)
+        return list(seen.values())
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones. Not recursive."""
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.reshard()
+
+    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
+        """All-gather the parameters and register the unsharded ones. Not recursive.
+
+        Args:
+            async_op: return an ``UnshardHandle`` to wait on instead of waiting here.
+
+        Returns:
+            An ``UnshardHandle`` if ``async_op``, else ``None``.
+        """
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.unshard(async_op=async_op)
+        return UnshardHandle(group) if async_op else None
+
+    def reset_iter_state(self) -> None:
+        """After an exception in forward or backward, reshard and reset per-iteration
+        state so the next iteration starts clean. Call it on the root."""
+        self._get_fsdp_state().reset_iter_state()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before the optimizer step. If not, its
+        reduce-scatters may still be in flight when backward returns."""
+        self._get_fsdp_state().is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Whether backward reduce-scatters gradients. ``False`` accumulates unsharded
+        gradients locally (gradient accumulation without communication)."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP only: whether to all-reduce over the replicate axis (issue 4)."""
+        raise NotImplementedError("set_requires_all_reduce needs HSDP, not implemented yet (issue 4)")
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether to free the unsharded parameters after forward."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether to free the unsharded parameters after backward. ``False`` keeps them
+        for the next forward (gradient accumulation without re-all-gathering)."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather these modules' parameters right after this module's, in forward."""
+        self._get_fsdp_state().forward_prefetch = [_state_for_prefetch(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather these modules' parameters right after this module's, in backward,
+        instead of the default (the module that ran before this one in forward)."""
+        self._get_fsdp_state().backward_prefetch = [_state_for_prefetch(m) for m in modules]
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many reduce-scatters may be in flight before the oldest is waited on."""
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
+        for state in self._fsdp_states(recurse):
+            state.max_in_flight_reduce_scatters = max_input_buffers
+            if state.ctx is not None and state.is_root:
+                state.ctx.max_in_flight_reduce_scatters = max_input_buffers
+
+    def set_comm_trace(self, trace: CommTrace | None) -> None:
+        """Record every collective and lifecycle step of this module's tree into
+        ``trace`` (``None`` stops recording). dtensor_fsdp only: not in torch."""
+        for state in self._fsdp_states(recurse=True):
+            if state.group is not None:
+                state.group.trace = trace
+
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        raise NotImplementedError("set_custom_all_gather is not implemented yet (issue 5)")
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        raise NotImplementedError("set_custom_reduce_scatter is not implemented yet (issue 5)")
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        raise NotImplementedError("set_all_reduce_hook is not implemented yet (issue 5)")
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        raise NotImplementedError("set_post_optim_event is not implemented yet (issue 5)")
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        self.set_gradient_divide_factor(factor)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        raise NotImplementedError("set_gradient_divide_factor is not implemented yet (issue 5)")
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        raise NotImplementedError("set_force_sum_reduction_for_comms is not implemented yet (issue 5)")
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        raise NotImplementedError("set_reduce_scatter_unused_params is not implemented yet (issue 5)")
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        raise NotImplementedError("set_unshard_in_backward is not implemented yet (issue 5)")
+
+
+def _state_for_prefetch(module: Any) -> FSDPState:
+    state = state_of(module) if isinstance(module, nn.Module) else None
+    if state is None:
+        raise ValueError(
+            f"prefetch targets must be modules passed to fully_shard, got {type(module).__name__}"
+        )
+    return state
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard."""
+
+    def __init__(self, group: FSDPParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        """Wait for the all-gather and register the unsharded parameters."""
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` unshard before and reshard after, like ``forward``.
+
+    For methods such as ``generate`` that use the parameters without calling forward.
+    A module that is not an ``FSDPModule`` is left unchanged.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    state = module._get_fsdp_state()
+    original = getattr(type(module), method_name)
+
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(self, args, kwargs)
+        return state.post_forward(self, original(self, *args, **kwargs))
+
+    setattr(module, method_name, MethodType(wrapped, module))

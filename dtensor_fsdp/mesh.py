@@ -1,0 +1,79 @@
+"""MeshInfo: which mesh axis FSDP shards over, and the process group behind it."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The data-parallel view of a ``DeviceMesh``.
+
+    A 1-D mesh shards over its only axis (FSDP). The shard axis is always the last data
+    parallel axis; ``replicate_axis`` is set only for hybrid sharding (HSDP).
+    """
+
+    mesh: DeviceMesh
+    shard_axis: int
+    replicate_axis: int | None = None
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group(self.shard_axis)
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh.size(self.shard_axis)
+
+    @property
+    def shard_rank(self) -> int:
+        return self.mesh.get_local_rank(self.shard_axis)
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.replicate_axis is not None
+
+    @property
+    def device(self) -> torch.device:
+        return mesh_device(self.mesh)
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over the whole default process group, on the backend's natural device."""
+    if not dist.is_initialized():
+        raise ValueError(
+            "fully_shard(mesh=None) needs an initialized default process group: call "
+            "torch.distributed.init_process_group() first (torchrun sets up its environment)"
+        )
+    backend = dist.get_backend()
+    device_type = "cpu" if backend == "gloo" else _accelerator_type()
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
+    """Build the MeshInfo of the mesh given to ``fully_shard``, or say why it cannot be used."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim == 1:
+        return MeshInfo(mesh=mesh, shard_axis=0)
+    raise NotImplementedError(
+        f"fully_shard got a {mesh.ndim}-D mesh {mesh}; only 1-D meshes (FSDP) are supported so "
+        "far. Hybrid sharding on a 2-D (replicate, shard) mesh is tracked by issue 4."
+    )
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device of this rank's tensors: the mesh's device type, on the current index."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    device_module = getattr(torch, mesh.device_type, None)
+    if device_module is None or not hasattr(device_module, "current_device"):
+        raise ValueError(f"mesh device type {mesh.device_type!r} has no torch device module")
+    return torch.device(mesh.device_type, device_module.current_device())
+
+
+def _accelerator_type() -> str:
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator.type if accelerator is not None else "cpu"

@@ -1,0 +1,216 @@
+"""FSDPParam: the life of one parameter under FSDP.
+
+[Note: FSDP tensors]
+These nouns mean one thing each, everywhere in dtensor_fsdp:
+
+- original param: the ``nn.Parameter`` the user registered, before ``fully_shard``.
+- sharded param: the ``nn.Parameter(DTensor)`` with ``Shard(0)`` that replaces it on the
+  module between iterations; what the optimizer steps and what ``state_dict`` returns.
+  Its local tensor is this rank's ``torch.chunk`` of the original, and is a *view into
+  the group's sharded buffer* (see param_group.py), so the all-gather can read every
+  shard of the group directly, with no copy-in.
+- padded shard: the local rows padded to ``ceil(dim0 / W)`` rows; the padding lives in
+  the sharded buffer and stays zero.
+- all-gather input: the group's sharded buffer, 1-D uint8, this rank's padded shards
+  back to back.
+- all-gather output: ``W`` all-gather inputs, rank-major, 1-D uint8.
+- unsharded param: a plain ``nn.Parameter`` with the original shape, a view into the
+  padded unsharded buffer (``W * ceil(dim0 / W)`` rows). It is registered on the module
+  during forward/backward so any module code runs unchanged. Its storage is freed on
+  reshard and refilled on unshard; the tensor object lives on so autograd's saved
+  references stay valid.
+- unsharded grad: ``unsharded_param.grad``, written by autograd.
+- sharded grad: ``sharded_param.grad``, a ``Shard(0)`` DTensor holding this rank's chunk
+  of the averaged gradient.
+"""
+
+import math
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+from ._tensor_utils import alloc_storage, chunk_rows, free_storage, local_rows
+from .mesh import MeshInfo
+
+
+class ShardedState(Enum):
+    """Which tensor is registered on the module."""
+
+    SHARDED = auto()
+    UNSHARDED = auto()
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One place a parameter is registered: ``module._parameters[name]``.
+
+    A tied parameter (e.g. embedding and output head) has one slot per module.
+    """
+
+    module: nn.Module
+    name: str
+
+
+class FSDPParam:
+    """One parameter: shard it, then swap between its sharded and unsharded forms.
+
+    Construction does not touch the module; ``to_sharded()`` is the one mutation, made
+    by the group once every parameter of the group has been validated and built.
+    """
+
+    def __init__(
+        self,
+        fqn: str,
+        original: nn.Parameter,
+        slots: list[ParamSlot],
+        mesh_info: MeshInfo,
+        sharded_storage: torch.Tensor,
+    ) -> None:
+        """Shard ``original`` into ``sharded_storage``.
+
+        Args:
+            fqn: the parameter's fully-qualified name, for messages and traces.
+            original: the original param; only read.
+            slots: every place the parameter is registered.
+            mesh_info: the data-parallel mesh.
+            sharded_storage: this parameter's segment of the group's sharded buffer,
+                1-D uint8 of exactly ``padded_shard_nbytes`` bytes, on the target device.
+        """
+        self.fqn = fqn
+        self.slots = slots
+        self.mesh_info = mesh_info
+        self.shape = original.shape
+        self.dtype = original.dtype
+        self.requires_grad = original.requires_grad
+        world_size, rank = mesh_info.shard_size, mesh_info.shard_rank
+        self.chunk_rows = chunk_rows(self.shape[0], world_size)
+        self.local_rows = local_rows(self.shape[0], world_size, rank)
+        self.row_numel = math.prod(self.shape[1:])
+        assert sharded_storage.numel() == self.padded_shard_nbytes
+        self._padded_shard = sharded_storage.view(self.dtype).view(
+            self.chunk_rows, *self.shape[1:]
+        )  # (chunk_rows, *shape[1:])
+        self._init_sharded_param(original, rank)
+        self._init_unsharded_param(world_size)
+        self.sharded_state = ShardedState.SHARDED
+
+    @property
+    def padded_shard_nbytes(self) -> int:
+        return self.chunk_rows * self.row_numel * self.dtype.itemsize
+
+    # Initialization #
+
+    def _init_sharded_param(self, original: nn.Parameter, rank: int) -> None:
+        start = rank * self.chunk_rows
+        with torch.no_grad():
+            # The padding rows must be zero: they are all-gathered and, for gradients,
+            # reduce-scattered, so garbage there could surface as NaN/Inf in norms.
+            self._padded_shard.zero_()
+            local = self._padded_shard[: self.local_rows]  # (local_rows, *shape[1:])
+            if self.local_rows > 0 and original.device.type != "meta":
+                local.copy_(original.detach()[start : start + self.local_rows])
+            sharded = DTensor.from_local(
+                local,
+                self.mesh_info.mesh,
+                (Shard(0),),
+                run_check=False,
+                shape=self.shape,
+                stride=_contiguous_stride(self.shape),
+            )
+        self.sharded_param = nn.Parameter(sharded, requires_grad=self.requires_grad)
+        # The local tensor the DTensor wraps; the zero-copy all-gather relies on it
+        # still aliasing the sharded buffer (see `is_sharded_storage_aliased`).
+        self._sharded_local = local
+
+    def _init_unsharded_param(self, world_size: int) -> None:
+        device = self._padded_shard.device
+        padded = torch.empty(
+            (world_size * self.chunk_rows, *self.shape[1:]), dtype=self.dtype, device=device
+        )  # (W * chunk_rows, *shape[1:])
+        self._padded_unsharded = padded
+        self.unsharded_param = nn.Parameter(padded[: self.shape[0]], self.requires_grad)
+        free_storage(padded)
+
+    # Runtime #
+
+    def is_sharded_storage_aliased(self) -> bool:
+        """Whether the sharded param's local tensor still lives in the sharded buffer.
+
+        It stops doing so when user code rebinds ``param.data`` (``module.to()``, a
+        state-dict load with ``assign=True``...). The group then copies the shard in.
+        """
+        local = self.sharded_param.to_local()
+        return local.data_ptr() == self._sharded_local.data_ptr() or local.numel() == 0
+
+    def copy_sharded_into_storage(self) -> None:
+        """Copy-in fallback for a sharded param whose storage was rebound."""
+        with torch.no_grad():
+            self._sharded_local.copy_(self.sharded_param.to_local())
+
+    def all_gather_output_view(self, world_size: int) -> torch.Tensor:
+        """The padded unsharded buffer as ``(W, padded_shard_nbytes)`` uint8: where this
+        parameter's column of the all-gather output is copied out to."""
+        return self._padded_unsharded.view(torch.uint8).view(world_size, -1)
+
+    def alloc_unsharded(self) -> None:
+        alloc_storage(self._padded_unsharded, self._padded_unsharded.numel() * self.dtype.itemsize)
+
+    def to_unsharded(self) -> None:
+        self._register(self.unsharded_param)
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def to_sharded(self) -> None:
+        self._register(self.sharded_param)
+        free_storage(self._padded_unsharded)
+        self.sharded_state = ShardedState.SHARDED
+
+    @property
+    def unsharded_grad(self) -> torch.Tensor | None:
+        return self.unsharded_param.grad
+
+    def clear_unsharded_grad(self) -> None:
+        self.unsharded_param.grad = None
+
+    def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
+        """Land this rank's averaged gradient chunk on ``sharded_param.grad``.
+
+        Args:
+            reduced: 1-D, this parameter's padded segment of the reduce-scatter output.
+        """
+        local = reduced[: self.local_rows * self.row_numel].view(
+            self.local_rows, *self.shape[1:]
+        )  # (local_rows, *shape[1:])
+        grad = self.sharded_param.grad
+        if grad is None:
+            self.sharded_param.grad = DTensor.from_local(
+                local.to(self.dtype),
+                self.mesh_info.mesh,
+                (Shard(0),),
+                run_check=False,
+                shape=self.shape,
+                stride=_contiguous_stride(self.shape),
+            )
+        else:
+            grad.to_local().add_(local)
+
+    def _register(self, tensor: nn.Parameter) -> None:
+        # Write the module's parameter dict directly: `setattr` would run nn.Module's
+        # __setattr__ and any user hooks on it, neither of which applies to a swap.
+        for slot in self.slots:
+            slot.module._parameters[slot.name] = tensor
+
+    def _assert_in_states(self, *states: ShardedState) -> None:
+        assert self.sharded_state in states, (
+            f"{self.fqn}: expected sharded state in {states}, got {self.sharded_state}"
+        )
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))

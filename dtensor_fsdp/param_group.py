@@ -1,0 +1,291 @@
+"""FSDPParamGroup: one ``fully_shard`` call's parameters and their lifecycle verbs.
+
+[Note: sharded buffer]
+Every parameter's padded shard lives in ONE contiguous uint8 buffer per group, and the
+sharded param's local tensor is a view into it. That buffer *is* the all-gather input:
+the all-gather reads it in place, so the per-step copy-in that torch's FSDP2 does (every
+shard into a fresh all-gather buffer) disappears. The optimizer updates the views in
+place, which keeps them valid. Parameters are laid out by element size, largest first,
+so each segment's byte offset is a multiple of its dtype's size and ``view(dtype)``
+works without alignment padding; a group may mix dtypes. If user code rebinds a sharded
+param's storage (``param.data = ...``), `FSDPParam.is_sharded_storage_aliased` notices
+and that one shard is copied in before the all-gather.
+"""
+
+import time
+from contextlib import ExitStack
+from enum import Enum, auto
+
+import torch
+import torch.nn as nn
+
+from ._tensor_utils import padded_shard_nbytes
+from .collectives import (
+    AllGatherResult,
+    ReduceScatterPlan,
+    ReduceScatterResult,
+    all_gather,
+    copy_out,
+    finish_reduce_scatter,
+    reduce_scatter,
+)
+from .mesh import MeshInfo
+from .param import FSDPParam, ParamSlot, ShardedState
+from .scheduler import CommContext
+from .trace import CommEvent, CommTrace, LifecycleEvent
+
+
+class TrainingState(Enum):
+    """Where a group is in the iteration."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+class FSDPParamGroup:
+    """The parameters of one ``fully_shard`` call, communicated together."""
+
+    def __init__(
+        self,
+        params: list[tuple[str, nn.Parameter, list[ParamSlot]]],
+        modules: tuple[nn.Module, ...],
+        mesh_info: MeshInfo,
+        device: torch.device,
+        reshard_after_forward: bool,
+        fqn: str,
+    ) -> None:
+        """Shard ``params`` into a new sharded buffer; the modules are not touched yet.
+
+        Args:
+            params: (fqn, original param, slots) of each parameter, in registration order.
+            modules: the modules passed to ``fully_shard``.
+            device: where the sharded buffer lives (``meta`` for meta-device params).
+            reshard_after_forward: whether to free the unsharded params after forward.
+            fqn: the group's name in messages and traces ('' for the root module).
+        """
+        self.fqn = fqn
+        self.modules = modules
+        self.mesh_info = mesh_info
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.fsdp_params = self._shard(params, device)
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.reduce_scatter_plan = ReduceScatterPlan.for_group(mesh_info.shard_group)
+        self.ctx: CommContext | None = None  # handed down at the root's lazy init
+        self.trace: CommTrace | None = None
+        self._all_gather: AllGatherResult | None = None  # issued, not yet copied out
+        self._all_gather_issued_s = 0.0
+        self._forwarded_modules: set[int] = set()  # ids of modules whose forward ran
+        self._pending_post_backward_nodes = 0
+
+    # Initialization #
+
+    def _shard(
+        self, params: list[tuple[str, nn.Parameter, list[ParamSlot]]], device: torch.device
+    ) -> list[FSDPParam]:
+        world_size = self.mesh_info.shard_size
+        # See [Note: sharded buffer] for why the layout is sorted by element size.
+        layout = sorted(params, key=lambda p: -p[1].dtype.itemsize)
+        sizes = [padded_shard_nbytes(p.shape, p.dtype, world_size) for _, p, _ in layout]
+        self.sharded_buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        self.split_nbytes = sizes
+        fsdp_params, offset = [], 0
+        for (fqn, param, slots), size in zip(layout, sizes, strict=True):
+            segment = self.sharded_buffer[offset : offset + size]  # (padded_shard_nbytes,)
+            fsdp_params.append(FSDPParam(fqn, param, slots, self.mesh_info, segment))
+            offset += size
+        return fsdp_params
+
+    def to_sharded_modules(self) -> None:
+        """The one mutation of ``fully_shard``: register the sharded params."""
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.to_sharded()
+
+    def lazy_init(self, ctx: CommContext) -> None:
+        self.ctx = ctx
+
+    # Runtime #
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue this group's all-gather, unless it is unsharded or already in flight.
+
+        The all-gather is always issued asynchronously; ``async_op=False`` waits for it
+        and copies out right away.
+        """
+        if self.sharded_state == ShardedState.UNSHARDED or self._all_gather is not None:
+            if not async_op:
+                self.wait_for_unshard()
+            return
+        for fsdp_param in self.fsdp_params:
+            if not fsdp_param.is_sharded_storage_aliased():
+                fsdp_param.copy_sharded_into_storage()
+        self._record("unshard")
+        self._all_gather_issued_s = time.perf_counter()
+        self._all_gather = all_gather(self.sharded_buffer, self.mesh_info.shard_group, async_op=True)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Wait for the in-flight all-gather, copy out, register the unsharded params."""
+        result = self._wait_all_gather()
+        if result is None:
+            return
+        world_size = self.mesh_info.shard_size
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.alloc_unsharded()
+        with ExitStack() as stack:
+            # Autograd saved these tensors in forward; refilling them in backward must
+            # not look like an in-place change to its version check.
+            for fsdp_param in self.fsdp_params:
+                stack.enter_context(
+                    torch.autograd._unsafe_preserve_version_counter(fsdp_param.unsharded_param)
+                )
+            copy_out(
+                result.output,
+                world_size,
+                self.split_nbytes,
+                [p.all_gather_output_view(world_size) for p in self.fsdp_params],
+            )
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.to_unsharded()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded params and register the sharded ones."""
+        # A prefetched all-gather still writes into its output: let it finish first.
+        self._wait_all_gather()
+        if self.sharded_state == ShardedState.SHARDED:
+            return
+        self._record("reshard")
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.to_sharded()
+        self.sharded_state = ShardedState.SHARDED
+
+    def pre_forward(self) -> None:
+        self.training_state = TrainingState.FORWARD
+        self.unshard()
+
+    def post_forward(self, module: nn.Module) -> None:
+        """Reshard once every module of the group has run its forward."""
+        self._forwarded_modules.add(id(module))
+        if len(self._forwarded_modules) < len(self.modules):
+            return
+        self._forwarded_modules.clear()
+        # With grad disabled no backward follows, so even the root need not stay unsharded.
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    def pre_backward(self) -> None:
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard()
+
+    def register_post_backward_node(self) -> None:
+        self._pending_post_backward_nodes += 1
+
+    def on_post_backward_node(self) -> None:
+        """One registered post-backward node fired; the last one runs post-backward."""
+        self._pending_post_backward_nodes -= 1
+        if self._pending_post_backward_nodes == 0:
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """Reduce-scatter the unsharded grads (unless accumulating) and reshard."""
+        self.training_state = TrainingState.POST_BACKWARD
+        self._record("post_backward")
+        if self.requires_gradient_sync:
+            self._reduce_scatter_grads()
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def finalize_backward(self) -> None:
+        """End of backward (root callback): post-backward for groups whose inputs had no
+        grad (so no node fired), then back to IDLE."""
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            self.post_backward()
+        elif self.training_state == TrainingState.FORWARD:
+            # Ran forward but took no part in backward: nothing to reduce.
+            if self.reshard_after_backward:
+                self.reshard()
+        self.reset_iter_state()
+
+    def reset_iter_state(self) -> None:
+        self.training_state = TrainingState.IDLE
+        self._forwarded_modules.clear()
+        self._pending_post_backward_nodes = 0
+
+    # Communication helpers #
+
+    def _wait_all_gather(self) -> AllGatherResult | None:
+        result, self._all_gather = self._all_gather, None
+        if result is None:
+            return None
+        if result.work is not None:
+            result.work.wait()
+        self._record_comm("all_gather", result.output.numel(), self._all_gather_issued_s)
+        return result
+
+    def _reduce_scatter_grads(self) -> None:
+        with_grad = [p for p in self.fsdp_params if p.unsharded_grad is not None]
+        if not with_grad:
+            return
+        grads = [p.unsharded_grad for p in with_grad]
+        issued_s = time.perf_counter()
+        result = reduce_scatter(
+            grads, grads[0].dtype, self.mesh_info.shard_group, self.reduce_scatter_plan, async_op=True
+        )
+        # The grads now live in the reduce-scatter input: free the unsharded ones.
+        for fsdp_param in with_grad:
+            fsdp_param.clear_unsharded_grad()
+        assert self.ctx is not None, f"{self.fqn}: post-backward before lazy init"
+        self.ctx.enqueue_reduce_scatter(
+            lambda: self._finish_reduce_scatter(result, with_grad, issued_s)
+        )
+
+    def _finish_reduce_scatter(
+        self, result: ReduceScatterResult, with_grad: list[FSDPParam], issued_s: float
+    ) -> None:
+        if result.work is not None:
+            result.work.wait()
+        self._record_comm("reduce_scatter", result.input_nbytes, issued_s, phase="backward")
+        reduced = finish_reduce_scatter(result)  # (sum of padded chunk numels,)
+        offset = 0
+        for fsdp_param in with_grad:
+            numel = fsdp_param.chunk_rows * fsdp_param.row_numel
+            fsdp_param.accumulate_sharded_grad(reduced[offset : offset + numel])
+            offset += numel
+
+    # Tracing #
+
+    def _phase(self) -> str:
+        if self.training_state == TrainingState.FORWARD:
+            return "forward"
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return "backward"
+        if self.ctx is not None and self.ctx.is_backward_callback_queued:
+            return "backward"  # prefetched for a backward that has not reached us yet
+        return "explicit"
+
+    def _record(self, event: str) -> None:
+        if self.trace is not None:
+            self.trace.lifecycle.append(LifecycleEvent(event, self.fqn, self._phase()))
+
+    def _record_comm(self, kind: str, nbytes: int, issued_s: float, phase: str | None = None) -> None:
+        if self.trace is not None:
+            self.trace.events.append(
+                CommEvent(
+                    kind=kind,
+                    fqn=self.fqn,
+                    group_size=self.mesh_info.shard_size,
+                    nbytes=nbytes,
+                    start_s=issued_s,
+                    end_s=time.perf_counter(),
+                    phase=phase or self._phase(),
+                )
+            )

@@ -1,0 +1,91 @@
+"""CommContext: when FSDP communicates, for one root and every group under it.
+
+One CommContext is created at the root's lazy init and handed to every group in its
+tree. It owns the cross-group decisions:
+
+- the post-forward order of this iteration, from which backward prefetch is derived
+  (backward runs the groups in reverse, so while group i computes its backward, group
+  i-1's all-gather is already in flight);
+- the queue of in-flight reduce-scatters, bounded so that overlap with the preceding
+  groups' backward never holds more than ``max_in_flight_reduce_scatters`` gradient
+  buffers at once;
+- whether this backward's final callback has been queued.
+
+Collectives themselves are issued by the groups (param_group.py) through
+collectives.py; this module only decides which group, and when.
+"""
+
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+
+class Prefetchable(Protocol):
+    """What the scheduler needs of a group: its name and an async unshard."""
+
+    fqn: str
+
+    def unshard(self, async_op: bool = False) -> None: ...
+
+
+class CommContext:
+    """Shared per-root scheduling state. See the module docstring."""
+
+    def __init__(self, max_in_flight_reduce_scatters: int = 2) -> None:
+        if max_in_flight_reduce_scatters < 1:
+            raise ValueError("max_in_flight_reduce_scatters must be >= 1")
+        self.max_in_flight_reduce_scatters = max_in_flight_reduce_scatters
+        self.post_forward_order: list[Prefetchable] = []
+        self.is_backward_callback_queued = False
+        # Each entry waits for one reduce-scatter and lands its sharded grads.
+        self._pending_reduce_scatters: deque[Callable[[], None]] = deque()
+
+    # Forward #
+
+    def begin_forward(self) -> None:
+        """The root's forward starts a new iteration: forget the last forward's order."""
+        self.post_forward_order.clear()
+
+    def record_post_forward(self, group: Prefetchable) -> None:
+        if not self.post_forward_order or self.post_forward_order[-1] is not group:
+            self.post_forward_order.append(group)
+
+    def prefetch_forward(self, targets: list[Prefetchable]) -> None:
+        """Explicit forward prefetch: issue the targets' all-gathers without waiting."""
+        for target in targets:
+            target.unshard(async_op=True)
+
+    # Backward #
+
+    def prefetch_backward(self, group: Prefetchable, explicit: list[Prefetchable] | None) -> None:
+        """Issue the all-gathers of the groups whose backward comes next.
+
+        With ``explicit`` (``set_modules_to_backward_prefetch``) those groups; otherwise
+        the group that ran just before ``group`` in this iteration's forward.
+        """
+        targets = explicit if explicit is not None else self._implicit_backward_target(group)
+        for target in targets:
+            target.unshard(async_op=True)
+
+    def _implicit_backward_target(self, group: Prefetchable) -> list[Prefetchable]:
+        order = self.post_forward_order
+        for index in range(len(order) - 1, 0, -1):
+            if order[index] is group:
+                return [order[index - 1]]
+        return []
+
+    def enqueue_reduce_scatter(self, finish: Callable[[], None]) -> None:
+        """Track an issued reduce-scatter; finish the oldest ones beyond the bound."""
+        self._pending_reduce_scatters.append(finish)
+        while len(self._pending_reduce_scatters) > self.max_in_flight_reduce_scatters:
+            self._pending_reduce_scatters.popleft()()
+
+    def wait_for_reduce_scatters(self) -> None:
+        """Finish every in-flight reduce-scatter, oldest first."""
+        while self._pending_reduce_scatters:
+            self._pending_reduce_scatters.popleft()()
+
+    def reset(self) -> None:
+        """Drop per-iteration state (end of backward, or after an exception)."""
+        self.post_forward_order.clear()
+        self.is_backward_callback_queued = False

@@ -1,0 +1,252 @@
+"""FSDPState: the hooks that drive one ``fully_shard`` group through an iteration.
+
+The lifecycle of a parameter, and the method that performs each step:
+
+1. ``fully_shard``: shard the parameters (`FSDPParamGroup.__init__`), register the
+   sharded params and the hooks (`FSDPState.register_hooks`).
+2. Lazy init at the root's first forward (`FSDPState.lazy_init`): the first state whose
+   forward runs is the root; it creates the CommContext and hands it to every group.
+3. Pre-forward (`FSDPState.pre_forward`): unshard (one all-gather), register the
+   post-backward node on the inputs.
+4. Post-forward (`FSDPState.post_forward`): reshard per ``reshard_after_forward``,
+   register the pre-backward hook on the outputs.
+5. Pre-backward (`FSDPState.pre_backward`): unshard again if resharded, prefetch the
+   next group's all-gather, queue the final callback.
+6. Post-backward (`FSDPState.post_backward`): reduce-scatter the gradients (one
+   collective), reshard.
+7. Final callback (`FSDPState.finalize_backward`): post-backward for groups that
+   had none, wait for the in-flight reduce-scatters, reset per-iteration state.
+8. Optimizer step on the sharded DTensors: plain ``torch.optim``, no FSDP code.
+"""
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .param_group import FSDPParamGroup, TrainingState
+from .scheduler import CommContext
+
+# The attribute under which a module keeps its FSDPState. Stored in the module's
+# __dict__ (not as a submodule) so it never shows up in module traversals.
+STATE_ATTR = "_dtensor_fsdp_state"
+
+
+def state_of(module: nn.Module) -> "FSDPState | None":
+    return module.__dict__.get(STATE_ATTR)
+
+
+class FSDPState:
+    """Hooks and root bookkeeping for one ``fully_shard`` call."""
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: FSDPParamGroup | None,
+        auto_reshard_after_forward: bool,
+    ) -> None:
+        self.modules = modules
+        self.group = group  # None when every parameter already belonged to a subgroup
+        self.auto_reshard_after_forward = auto_reshard_after_forward
+        self.is_root: bool | None = None  # decided at lazy init
+        self.root: FSDPState | None = None
+        self.ctx: CommContext | None = None
+        self.states_in_tree: list[FSDPState] = []  # the root's: every state under it
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] | None = None  # None: implicit
+        self.is_last_backward = True  # read on the root
+        self.max_in_flight_reduce_scatters = 2  # read on the root at lazy init
+        self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    # Initialization #
+
+    def register_hooks(self) -> None:
+        for module in self.modules:
+            self._hook_handles.append(
+                module.register_forward_pre_hook(
+                    self.pre_forward_hook(module), prepend=True, with_kwargs=True
+                )
+            )
+            self._hook_handles.append(module.register_forward_hook(self.post_forward_hook(module)))
+
+    def lazy_init(self) -> None:
+        """Become the root: share one CommContext with every state in the tree."""
+        if self.ctx is not None:
+            return
+        states = _states_under(self.modules)
+        for state in states:
+            if state.ctx is not None:
+                raise RuntimeError(
+                    f"fully_shard module {_describe(state.modules)} already ran forward as part "
+                    f"of another root; run forward through the root module "
+                    f"{_describe(self.modules)} first (FSDP picks the root at the first forward)"
+                )
+        ctx = CommContext(self.max_in_flight_reduce_scatters)
+        _assign_fqns(self.modules, states)
+        for state in states:
+            state.ctx = ctx
+            state.root = self
+            state.is_root = state is self
+            if state.group is not None:
+                state.group.lazy_init(ctx)
+        # The root's params are needed as soon as backward starts: keep them unsharded.
+        if self.group is not None and self.auto_reshard_after_forward:
+            self.group.reshard_after_forward = False
+        self.states_in_tree = states
+
+    # Runtime #
+
+    def pre_forward_hook(self, module: nn.Module):
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return self.pre_forward(module, args, kwargs)
+
+        return hook
+
+    def post_forward_hook(self, module: nn.Module):
+        def hook(_module: nn.Module, args: tuple, output: Any) -> Any:
+            return self.post_forward(module, output)
+
+        return hook
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.ctx is None:
+            self.lazy_init()
+        assert self.ctx is not None
+        if self._is_recomputing_in_backward():
+            return args, kwargs
+        if self.is_root:
+            self.ctx.begin_forward()
+        if self.group is None:
+            return args, kwargs
+        self.group.pre_forward()
+        self.ctx.prefetch_forward([s.group for s in self.forward_prefetch if s.group is not None])
+        return self._register_post_backward(args, kwargs)
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        if self.group is None or self._is_recomputing_in_backward():
+            return output
+        assert self.ctx is not None
+        self.group.post_forward(module)
+        self.ctx.record_post_forward(self.group)
+        return self._register_pre_backward(output)
+
+    def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        assert self.ctx is not None
+        if not self.ctx.is_backward_callback_queued:
+            self.ctx.is_backward_callback_queued = True
+            assert self.root is not None
+            Variable._execution_engine.queue_callback(self.root.finalize_backward)
+        if self.group is not None and self.group.training_state != TrainingState.PRE_BACKWARD:
+            self.group.pre_backward()
+            explicit = (
+                None
+                if self.backward_prefetch is None
+                else [s.group for s in self.backward_prefetch if s.group is not None]
+            )
+            self.ctx.prefetch_backward(self.group, explicit)
+        return grad
+
+    def post_backward(self) -> None:
+        if self.group is not None:
+            self.group.on_post_backward_node()
+
+    def finalize_backward(self) -> None:
+        """The root's end-of-backward callback, for every group in the tree."""
+        assert self.ctx is not None and self.is_root
+        for state in self.states_in_tree:
+            if state.group is not None:
+                state.group.finalize_backward()
+        if self.is_last_backward:
+            self.ctx.wait_for_reduce_scatters()
+        self.ctx.reset()
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception in forward or backward (root only)."""
+        for state in self.states_in_tree or [self]:
+            if state.group is not None:
+                state.group.reshard()
+                state.group.reset_iter_state()
+        if self.ctx is not None:
+            self.ctx.reset()
+
+    # Hook plumbing #
+
+    def _is_recomputing_in_backward(self) -> bool:
+        # Activation checkpointing re-runs forward inside backward; the pre-backward
+        # hook already unsharded the group, and nothing may be registered again.
+        return self.group is not None and self.group.training_state in (
+            TrainingState.PRE_BACKWARD,
+            TrainingState.POST_BACKWARD,
+        )
+
+    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        indices = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not indices:
+            return args, kwargs
+        assert self.group is not None
+        self.group.register_post_backward_node()
+        outputs = _PostBackward.apply(self, *(flat[i] for i in indices))
+        for i, tensor in zip(indices, outputs, strict=True):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
+
+    def _register_pre_backward(self, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return output
+        flat, _ = tree_flatten(output)
+        for tensor in flat:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(self.pre_backward)
+        return output
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity in forward; its backward runs once the gradients w.r.t. the module's
+    inputs are computed, i.e. after every gradient of the module's parameters."""
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+def _states_under(modules: tuple[nn.Module, ...]) -> list[FSDPState]:
+    """Every distinct FSDPState in the subtrees of ``modules``, in pre-order."""
+    seen: dict[int, FSDPState] = {}
+    for root in modules:
+        for module in root.modules():
+            state = state_of(module)
+            if state is not None and id(state) not in seen:
+                seen[id(state)] = state
+    return list(seen.values())
+
+
+def _assign_fqns(roots: tuple[nn.Module, ...], states: list[FSDPState]) -> None:
+    """Name each group and parameter by its path from the root, for messages and traces
+    (at fully_shard time, bottom-up, the root is not known yet)."""
+    names: dict[int, str] = {}
+    for root in roots:
+        for name, module in root.named_modules():
+            names.setdefault(id(module), name)
+    for state in states:
+        if state.group is None:
+            continue
+        state.group.fqn = names.get(id(state.modules[0]), "")
+        for fsdp_param in state.group.fsdp_params:
+            slot = fsdp_param.slots[0]
+            prefix = names.get(id(slot.module), "")
+            fsdp_param.fqn = f"{prefix}.{slot.name}" if prefix else slot.name
+
+
+def _describe(modules: tuple[nn.Module, ...]) -> str:
+    return ", ".join(type(m).__name__ for m in modules)
