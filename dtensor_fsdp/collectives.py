@@ -57,6 +57,7 @@ class ReduceScatterPlan:
 class ReduceScatterResult:
     """An issued reduce-scatter; `finish_reduce_scatter` turns it into averaged chunks."""
 
+    input: torch.Tensor  # (W, shard_numel); referenced until the wait so it is not reused
     output: torch.Tensor  # (shard_numel,) or, for all-to-all, (W, shard_numel)
     work: dist.Work | None
     plan: ReduceScatterPlan
@@ -121,6 +122,7 @@ def reduce_scatter(
         op = dist.ReduceOp.AVG if plan.supports_avg else dist.ReduceOp.SUM
         work = _reduce_scatter_single(output, reduce_input, op=op, group=group, async_op=async_op)
     return ReduceScatterResult(
+        input=reduce_input,
         output=output,
         work=work,
         plan=plan,

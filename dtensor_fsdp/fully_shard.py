@@ -24,9 +24,9 @@ from .api import (
     ReduceScatter,
 )
 from .mesh import MeshInfo, default_mesh, mesh_info_for
-from .param import ParamSlot
+from .param import FSDPParam, ParamSlot
 from .param_group import FSDPParamGroup
-from .state import STATE_ATTR, FSDPState, state_of
+from .state import STATE_ATTR, FSDPState, state_of, states_under
 from .trace import CommTrace
 
 
@@ -153,8 +153,9 @@ def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__} in the list")
         if state_of(m) is not None:
+            original_name = type(m).__mro__[2].__name__  # FSDP<cls>, FSDPModule, <cls>
             raise ValueError(
-                f"fully_shard was already applied to this {type(m).__name__} module; a module "
+                f"fully_shard was already applied to this {original_name} module; a module "
                 "can be passed to fully_shard once. To change its grouping, build the model "
                 "again and call fully_shard([module_a, module_b]) for one group of both"
             )
@@ -207,6 +208,7 @@ def _collect_params(
 ) -> list[tuple[str, nn.Parameter, list[ParamSlot]]]:
     """Each parameter this call manages, once, with every slot it is registered in."""
     found: dict[int, tuple[str, nn.Parameter, list[ParamSlot]]] = {}
+    owned = _originals_of_subgroups(modules)
     for root in modules:
         root_name = type(root).__name__
         for prefix, module in _walk(root):
@@ -222,6 +224,13 @@ def _collect_params(
                         "common ancestor, or fully_shard([module_a, module_b])), or it is "
                         "tensor-parallel, which is not supported yet (issue 4)"
                     )
+                if id(param) in owned and owned[id(param)].is_original(param):
+                    raise ValueError(
+                        f"fully_shard({root_name}): parameter '{fqn}' is shared with a submodule "
+                        f"that an earlier fully_shard call sharded (as '{owned[id(param)].fqn}'). "
+                        "A shared parameter must be in one group: call fully_shard on the "
+                        "modules' common ancestor only, or fully_shard([module_a, module_b])"
+                    )
                 if param.dim() == 0:
                     raise ValueError(
                         f"fully_shard({root_name}): parameter '{fqn}' is 0-dimensional and "
@@ -232,6 +241,17 @@ def _collect_params(
     params = list(found.values())
     _validate_grad_dtypes(params)
     return params
+
+
+def _originals_of_subgroups(modules: tuple[nn.Module, ...]) -> dict[int, FSDPParam]:
+    """The original params that the groups below ``modules`` replaced, by id."""
+    return {
+        id(fsdp_param.original_ref()): fsdp_param
+        for state in states_under(modules)
+        if state.group is not None and state.modules[0] not in modules
+        for fsdp_param in state.group.fsdp_params
+        if fsdp_param.original_ref() is not None
+    }
 
 
 def _validate_grad_dtypes(params: list[tuple[str, nn.Parameter, list[ParamSlot]]]) -> None:

@@ -1,0 +1,176 @@
+"""Bad input: a clear error naming the parameter and the fix, and the module untouched."""
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtensor_fsdp import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
+from tests._harness import fake_mesh
+
+
+def _snapshot(model: nn.Module) -> list[tuple[Any, ...]]:
+    """Everything fully_shard could mutate: classes, parameter objects, hooks, state."""
+    return [
+        (
+            name,
+            type(m),
+            tuple((n, id(p)) for n, p in m._parameters.items()),
+            tuple((n, id(b)) for n, b in m._buffers.items()),
+            len(m._forward_pre_hooks),
+            len(m._forward_hooks),
+            sorted(m.__dict__),
+        )
+        for name, m in model.named_modules()
+    ]
+
+
+def _assert_rejected(model: nn.Module, call: Callable[[], Any], error: type, match: str) -> None:
+    before = _snapshot(model)
+    with pytest.raises(error, match=match):
+        call()
+    assert _snapshot(model) == before
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+
+
+@pytest.mark.parametrize("bad", [42, [], [nn.Linear(2, 2), "not a module"]])
+def test_non_module_argument(bad: Any) -> None:
+    with fake_mesh(2) as mesh, pytest.raises(TypeError, match="nn.Module"):
+        fully_shard(bad, mesh=mesh)
+
+
+def test_fully_shard_twice_on_one_module() -> None:
+    model = _mlp()
+    with fake_mesh(2) as mesh:
+        fully_shard(model, mesh=mesh)
+        _assert_rejected(
+            model, lambda: fully_shard(model, mesh=mesh), ValueError,
+            "already applied to this Sequential.*fully_shard\\(\\[module_a, module_b\\]\\)",
+        )
+
+
+def test_submodule_of_an_already_sharded_module() -> None:
+    model = _mlp()
+    with fake_mesh(2) as mesh:
+        fully_shard(model, mesh=mesh)
+        _assert_rejected(
+            model, lambda: fully_shard(model[0], mesh=mesh), ValueError,
+            "parameter 'weight' is already a DTensor",
+        )
+        assert not isinstance(model[0], FSDPModule)
+
+
+def test_parameter_shared_across_groups_names_it_and_the_fix() -> None:
+    model = _mlp()
+    model[2].weight = nn.Parameter(torch.randn(6, 6))
+    model.add_module("tied", nn.Linear(6, 6, bias=False))
+    model.tied.weight = model[2].weight
+    with fake_mesh(2) as mesh:
+        fully_shard(model[2], mesh=mesh)
+        _assert_rejected(
+            model, lambda: fully_shard(model, mesh=mesh), ValueError,
+            "'tied.weight' is shared with a submodule.*as 'weight'.*common ancestor",
+        )
+
+
+def test_parameter_on_another_device_than_the_mesh() -> None:
+    model = _mlp()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model[2].weight = nn.Parameter(torch.empty(2, 6, device="cuda"))
+    with fake_mesh(2) as mesh:
+        _assert_rejected(
+            model, lambda: fully_shard(model, mesh=mesh), ValueError,
+            "parameter '2.weight' is on cuda:0, but the mesh's device is cpu.*module.to",
+        )
+
+
+def test_meta_and_real_parameters_mixed_in_one_group() -> None:
+    model = _mlp()
+    model[0].weight = nn.Parameter(torch.empty(6, 4, device="meta"))
+    with fake_mesh(2) as mesh:
+        _assert_rejected(model, lambda: fully_shard(model, mesh=mesh), ValueError, "meta device")
+
+
+def test_zero_dim_parameter_points_to_ignored_params() -> None:
+    model = _mlp()
+    model.temperature = nn.Parameter(torch.tensor(1.0))
+    with fake_mesh(2) as mesh:
+        _assert_rejected(
+            model, lambda: fully_shard(model, mesh=mesh), ValueError,
+            "'temperature' is 0-dimensional.*ignored_params",
+        )
+        fully_shard(model, mesh=mesh, ignored_params={model.temperature})
+        assert type(model.temperature) is nn.Parameter and model.temperature.dim() == 0
+
+
+def test_trainable_parameters_of_different_dtypes_in_one_group() -> None:
+    model = _mlp()
+    model[0].bias = nn.Parameter(torch.zeros(6, dtype=torch.float64))
+    with fake_mesh(2) as mesh:
+        _assert_rejected(
+            model, lambda: fully_shard(model, mesh=mesh), NotImplementedError,
+            "'0.bias' \\(torch.float64\\).*separate fully_shard calls",
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"reshard_after_forward": 2}, "issue 3"),
+        ({"shard_placement_fn": lambda p: None}, "issue 4"),
+        ({"dp_mesh_dims": DataParallelMeshDims(shard="dp")}, "issue 4"),
+        ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}, "issue 5"),
+        ({"offload_policy": CPUOffloadPolicy()}, "issue 5"),
+    ],
+)
+def test_arguments_not_built_yet_say_so(kwargs: dict[str, Any], match: str) -> None:
+    model = _mlp()
+    with fake_mesh(2) as mesh:
+        _assert_rejected(
+            model, lambda: fully_shard(model, mesh=mesh, **kwargs), NotImplementedError, match
+        )
+
+
+def test_mesh_must_be_a_1d_device_mesh() -> None:
+    model = _mlp()
+    with fake_mesh(4) as mesh:
+        _assert_rejected(
+            model, lambda: fully_shard(model, mesh="cpu"), TypeError, "DeviceMesh"
+        )
+        mesh_2d = DeviceMesh("cpu", torch.arange(4).view(2, 2))
+        _assert_rejected(
+            model, lambda: fully_shard(model, mesh=mesh_2d), NotImplementedError, "2-D mesh.*issue 4"
+        )
+
+
+def test_prefetch_targets_must_be_fsdp_modules() -> None:
+    model = _mlp()
+    with fake_mesh(2) as mesh:
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with pytest.raises(ValueError, match="modules passed to fully_shard, got Linear"):
+            model.set_modules_to_forward_prefetch([model[2]])
+
+
+def test_parameter_shared_between_sibling_groups_is_refused_at_first_forward() -> None:
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    model[1].weight = model[0].weight
+    with fake_mesh(2) as mesh:
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model[1], mesh=mesh)  # cannot see model[0]: siblings
+        fully_shard(model, mesh=mesh)
+        with pytest.raises(ValueError, match="'1.weight' is shared with a module of another"):
+            model(torch.randn(2, 4))
