@@ -24,9 +24,9 @@ from .api import (
     ReduceScatter,
 )
 from .mesh import MeshInfo, default_mesh, mesh_info_for
-from .param import FSDPParam, ParamSlot
+from .param import ParamSlot
 from .param_group import FSDPParamGroup
-from .state import STATE_ATTR, FSDPState, state_of, states_under
+from .state import STATE_ATTR, FSDPState, state_of
 from .trace import CommTrace
 
 
@@ -127,6 +127,8 @@ def fully_shard(
     state = FSDPState(modules, group, auto_reshard_after_forward=reshard_after_forward is None)
     if group is not None:
         group.to_sharded_modules()
+        for fqn, original, _ in params:
+            setattr(original, _REPLACED_ATTR, f"{fqn} of {type(modules[0]).__name__}")
     for owner, name, tensor in buffers:
         owner._buffers[name] = tensor
     for m in modules:
@@ -134,6 +136,13 @@ def fully_shard(
         m.__class__ = _fsdp_class(type(m))
     state.register_hooks()
     return module
+
+
+# A tombstone on each original parameter a group replaced. A module outside the group
+# that still holds the original (a tie across groups: embedding and head in different
+# groups) would otherwise get a second, separately sharded copy of it, silently training
+# two weights. Only the retired original carries it; FSDP's own state lives on FSDPParam.
+_REPLACED_ATTR = "_dtensor_fsdp_sharded_as"
 
 
 # Validation #
@@ -208,7 +217,6 @@ def _collect_params(
 ) -> list[tuple[str, nn.Parameter, list[ParamSlot]]]:
     """Each parameter this call manages, once, with every slot it is registered in."""
     found: dict[int, tuple[str, nn.Parameter, list[ParamSlot]]] = {}
-    owned = _originals_of_subgroups(modules)
     for root in modules:
         root_name = type(root).__name__
         for prefix, module in _walk(root):
@@ -224,12 +232,13 @@ def _collect_params(
                         "common ancestor, or fully_shard([module_a, module_b])), or it is "
                         "tensor-parallel, which is not supported yet (issue 4)"
                     )
-                if id(param) in owned and owned[id(param)].is_original(param):
+                sharded_as = getattr(param, _REPLACED_ATTR, None)
+                if sharded_as is not None:
                     raise ValueError(
-                        f"fully_shard({root_name}): parameter '{fqn}' is shared with a submodule "
-                        f"that an earlier fully_shard call sharded (as '{owned[id(param)].fqn}'). "
-                        "A shared parameter must be in one group: call fully_shard on the "
-                        "modules' common ancestor only, or fully_shard([module_a, module_b])"
+                        f"fully_shard({root_name}): parameter '{fqn}' is shared with a module "
+                        f"that an earlier fully_shard call sharded (as '{sharded_as}'). A shared "
+                        "parameter must be in one group: call fully_shard on the modules' "
+                        "common ancestor only, or fully_shard([module_a, module_b])"
                     )
                 if param.dim() == 0:
                     raise ValueError(
@@ -241,17 +250,6 @@ def _collect_params(
     params = list(found.values())
     _validate_grad_dtypes(params)
     return params
-
-
-def _originals_of_subgroups(modules: tuple[nn.Module, ...]) -> dict[int, FSDPParam]:
-    """The original params that the groups below ``modules`` replaced, by id."""
-    return {
-        id(fsdp_param.original_ref()): fsdp_param
-        for state in states_under(modules)
-        if state.group is not None and state.modules[0] not in modules
-        for fsdp_param in state.group.fsdp_params
-        if fsdp_param.original_ref() is not None
-    }
 
 
 def _validate_grad_dtypes(params: list[tuple[str, nn.Parameter, list[ParamSlot]]]) -> None:

@@ -25,7 +25,6 @@ These nouns mean one thing each, everywhere in dtensor_fsdp:
 """
 
 import math
-import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -83,9 +82,6 @@ class FSDPParam:
         self.fqn = fqn
         self.slots = slots
         self.mesh_info = mesh_info
-        # Weak, so FSDP never keeps the original's memory alive; used to catch a module
-        # outside the group that still holds the original (a tie across groups).
-        self.original_ref = weakref.ref(original)
         self.shape = original.shape
         self.dtype = original.dtype
         self.requires_grad = original.requires_grad
@@ -199,9 +195,6 @@ class FSDPParam:
             )
         else:
             grad.to_local().add_(local)
-
-    def is_original(self, tensor: torch.Tensor) -> bool:
-        return self.original_ref() is tensor
 
     def _register(self, tensor: nn.Parameter) -> None:
         # Write the module's parameter dict directly: `setattr` would run nn.Module's

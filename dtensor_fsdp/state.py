@@ -83,9 +83,8 @@ class FSDPState:
                     f"of another root; run forward through the root module "
                     f"{_describe(self.modules)} first (FSDP picks the root at the first forward)"
                 )
-        _check_no_original_left(self.modules, states)
-        ctx = CommContext(self.max_in_flight_reduce_scatters)
         _assign_fqns(self.modules, states)
+        ctx = CommContext(self.max_in_flight_reduce_scatters)
         for state in states:
             state.ctx = ctx
             state.root = self
@@ -230,30 +229,6 @@ def states_under(modules: tuple[nn.Module, ...]) -> list[FSDPState]:
             if state is not None and id(state) not in seen:
                 seen[id(state)] = state
     return list(seen.values())
-
-
-def _check_no_original_left(roots: tuple[nn.Module, ...], states: list[FSDPState]) -> None:
-    """A module outside a group that still holds a parameter the group replaced would
-    train a second, unsharded copy: a tie across groups that fully_shard could not see
-    (the modules were siblings). Refuse it before the first forward."""
-    originals = {
-        id(fsdp_param.original_ref()): fsdp_param
-        for state in states
-        if state.group is not None
-        for fsdp_param in state.group.fsdp_params
-        if fsdp_param.original_ref() is not None
-    }
-    for root in roots:
-        for name, module in root.named_modules():
-            for param_name, param in module._parameters.items():
-                owner = originals.get(id(param))
-                if owner is not None and owner.is_original(param):
-                    raise ValueError(
-                        f"parameter '{name}.{param_name}' is shared with a module of another "
-                        f"fully_shard group, which sharded it as '{owner.fqn}'. A shared "
-                        "parameter must be in one group: call fully_shard on the modules' "
-                        "common ancestor only, or fully_shard([module_a, module_b])"
-                    )
 
 
 def _assign_fqns(roots: tuple[nn.Module, ...], states: list[FSDPState]) -> None:

@@ -82,7 +82,7 @@ def test_parameter_shared_across_groups_names_it_and_the_fix() -> None:
         fully_shard(model[2], mesh=mesh)
         _assert_rejected(
             model, lambda: fully_shard(model, mesh=mesh), ValueError,
-            "'tied.weight' is shared with a submodule.*as 'weight'.*common ancestor",
+            "'tied.weight' is shared with a module.*as 'weight of Linear'.*common ancestor",
         )
 
 
@@ -165,12 +165,12 @@ def test_prefetch_targets_must_be_fsdp_modules() -> None:
             model.set_modules_to_forward_prefetch([model[2]])
 
 
-def test_parameter_shared_between_sibling_groups_is_refused_at_first_forward() -> None:
+def test_parameter_shared_between_sibling_groups() -> None:
     model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
     model[1].weight = model[0].weight
     with fake_mesh(2) as mesh:
         fully_shard(model[0], mesh=mesh)
-        fully_shard(model[1], mesh=mesh)  # cannot see model[0]: siblings
-        fully_shard(model, mesh=mesh)
-        with pytest.raises(ValueError, match="'1.weight' is shared with a module of another"):
-            model(torch.randn(2, 4))
+        _assert_rejected(  # model[1] cannot see model[0]: they are siblings
+            model, lambda: fully_shard(model[1], mesh=mesh), ValueError,
+            "parameter 'weight' is shared with a module.*'weight of Linear'.*fully_shard\\(\\[module_a",
+        )
