@@ -184,6 +184,7 @@ class FSDPParamGroup:
         if self.training_state == TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
+        self._record("pre_backward")
         self.unshard()
 
     def register_post_backward_node(self) -> None:
@@ -270,6 +271,8 @@ class FSDPParamGroup:
             return "backward"
         if self.ctx is not None and self.ctx.is_backward_callback_queued:
             return "backward"  # prefetched for a backward that has not reached us yet
+        if self.ctx is not None and self.ctx.is_in_forward:
+            return "forward"  # prefetched for a forward that has not reached us yet
         return "explicit"
 
     def _record(self, event: str) -> None:

@@ -36,6 +36,7 @@ class CommContext:
             raise ValueError("max_in_flight_reduce_scatters must be >= 1")
         self.max_in_flight_reduce_scatters = max_in_flight_reduce_scatters
         self.post_forward_order: list[Prefetchable] = []
+        self.is_in_forward = False  # between the root's pre- and post-forward
         self.is_backward_callback_queued = False
         # Each entry waits for one reduce-scatter and lands its sharded grads.
         self._pending_reduce_scatters: deque[Callable[[], None]] = deque()
@@ -45,6 +46,10 @@ class CommContext:
     def begin_forward(self) -> None:
         """The root's forward starts a new iteration: forget the last forward's order."""
         self.post_forward_order.clear()
+        self.is_in_forward = True
+
+    def end_forward(self) -> None:
+        self.is_in_forward = False
 
     def record_post_forward(self, group: Prefetchable) -> None:
         if not self.post_forward_order or self.post_forward_order[-1] is not group:
@@ -88,4 +93,5 @@ class CommContext:
     def reset(self) -> None:
         """Drop per-iteration state (end of backward, or after an exception)."""
         self.post_forward_order.clear()
+        self.is_in_forward = False
         self.is_backward_callback_queued = False

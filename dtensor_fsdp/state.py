@@ -125,9 +125,11 @@ class FSDPState:
         return self._register_post_backward(args, kwargs)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
+        assert self.ctx is not None
+        if self.is_root:
+            self.ctx.end_forward()
         if self.group is None or self._is_recomputing_in_backward():
             return output
-        assert self.ctx is not None
         self.group.post_forward(module)
         self.ctx.record_post_forward(self.group)
         return self._register_pre_backward(output)

@@ -1,0 +1,217 @@
+"""The exact collectives and lifecycle of a training step, as golden traces.
+
+Each scenario trains a 3-group MLP (two blocks and the root) on 2 gloo ranks with a
+``CommTrace`` installed and renders, on rank 0, the lifecycle schedule and every
+collective (kind, group, bytes, phase) in issue order. One spawn runs every scenario.
+
+Byte counts: block 0 is Linear(8, 16) (16x8 + 16 = 144 fp32 = 576 B), block 1 is
+Linear(16, 16) (272 fp32 = 1088 B), the root's head Linear(16, 3) is 3x16 + 3 = 51
+values, padded to 2 rows per rank: 2 x (2x16 + 2) = 68 fp32 = 272 B. All-gather bytes
+are the output buffer, reduce-scatter bytes the input buffer; both are W x the padded
+shard.
+"""
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from expecttest import assert_expected_inline
+from torch.distributed.device_mesh import init_device_mesh
+
+from dtensor_fsdp import CommTrace, fully_shard
+from tests._harness import run_distributed
+
+WORLD_SIZE = 2
+
+
+def _model(mesh: Any, **kwargs: Any) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    fully_shard(model[0], mesh=mesh, **kwargs)
+    fully_shard(model[2], mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _render(trace: CommTrace) -> str:
+    schedule = [f"{event:<13} {fqn or 'root':<5} {phase}" for event, fqn, phase in trace.schedule()]
+    comms = [
+        f"{e.kind:<14} {e.fqn or 'root':<5} {e.nbytes:>5} B  {e.phase}"
+        for e in sorted(trace.events, key=lambda e: e.start_s)
+    ]
+    return "\n".join(schedule + ["--"] + comms)
+
+
+def _step(model: nn.Module, rank: int) -> None:
+    torch.manual_seed(rank)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+
+
+def _scenarios(rank: int, world_size: int) -> dict[str, str]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    out: dict[str, str] = {}
+
+    def traced(name: str, model: nn.Module, run: Any) -> None:
+        _step(model, rank)  # warm-up: lazy init happens here, outside the trace
+        model.zero_grad()
+        trace = CommTrace()
+        model.set_comm_trace(trace)
+        run(model)
+        out[name] = _render(trace)
+
+    traced("default", _model(mesh), lambda m: _step(m, rank))
+    traced("no_reshard", _model(mesh, reshard_after_forward=False), lambda m: _step(m, rank))
+
+    def explicit(model: nn.Module) -> None:
+        model[0].set_modules_to_forward_prefetch([model[2]])
+        model.set_modules_to_backward_prefetch([model[2], model[0]])
+        model[2].set_modules_to_backward_prefetch([])
+        _step(model, rank)
+
+    traced("explicit_prefetch", _model(mesh), explicit)
+
+    def no_grad_forward(model: nn.Module) -> None:
+        with torch.no_grad():
+            model(torch.randn(4, 8))
+
+    traced("no_grad", _model(mesh), no_grad_forward)
+
+    def accumulate(model: nn.Module) -> None:
+        model.set_requires_gradient_sync(False)
+        _step(model, rank)
+
+    traced("no_sync", _model(mesh), accumulate)
+    return out
+
+
+@pytest.fixture(scope="module")
+def traces() -> dict[str, str]:
+    return run_distributed(_scenarios, WORLD_SIZE)[0]
+
+
+def test_default_schedule(traces: dict[str, str]) -> None:
+    # Forward: one all-gather per group; the root keeps its params. Backward: the root's
+    # pre-backward prefetches block 1, whose pre-backward prefetches block 0; one
+    # reduce-scatter per group; the root's (inputs without grad) runs at the end.
+    assert_expected_inline(traces["default"], """\
+unshard       root  forward
+unshard       0     forward
+reshard       0     forward
+unshard       2     forward
+reshard       2     forward
+pre_backward  root  backward
+unshard       2     backward
+pre_backward  2     backward
+unshard       0     backward
+post_backward 2     backward
+reshard       2     backward
+pre_backward  0     backward
+post_backward root  backward
+reshard       root  backward
+post_backward 0     backward
+reshard       0     backward
+--
+all_gather     root    272 B  forward
+all_gather     0       576 B  forward
+all_gather     2      1088 B  forward
+all_gather     2      1088 B  backward
+all_gather     0       576 B  backward
+reduce_scatter 2      1088 B  backward
+reduce_scatter root    272 B  backward
+reduce_scatter 0       576 B  backward""")
+
+
+def test_no_reshard_after_forward_skips_backward_all_gathers(traces: dict[str, str]) -> None:
+    assert_expected_inline(traces["no_reshard"], """\
+unshard       root  forward
+unshard       0     forward
+unshard       2     forward
+pre_backward  root  backward
+pre_backward  2     backward
+post_backward 2     backward
+reshard       2     backward
+pre_backward  0     backward
+post_backward root  backward
+reshard       root  backward
+post_backward 0     backward
+reshard       0     backward
+--
+all_gather     root    272 B  forward
+all_gather     0       576 B  forward
+all_gather     2      1088 B  forward
+reduce_scatter 2      1088 B  backward
+reduce_scatter root    272 B  backward
+reduce_scatter 0       576 B  backward""")
+
+
+def test_explicit_prefetch(traces: dict[str, str]) -> None:
+    # Block 0's forward issues block 2's all-gather before block 0 computes; the root's
+    # backward prefetches both blocks at once, and block 2 prefetches nothing.
+    assert_expected_inline(traces["explicit_prefetch"], """\
+unshard       root  forward
+unshard       0     forward
+unshard       2     forward
+reshard       0     forward
+reshard       2     forward
+pre_backward  root  backward
+unshard       2     backward
+unshard       0     backward
+pre_backward  2     backward
+post_backward 2     backward
+reshard       2     backward
+pre_backward  0     backward
+post_backward root  backward
+reshard       root  backward
+post_backward 0     backward
+reshard       0     backward
+--
+all_gather     root    272 B  forward
+all_gather     0       576 B  forward
+all_gather     2      1088 B  forward
+all_gather     2      1088 B  backward
+all_gather     0       576 B  backward
+reduce_scatter 2      1088 B  backward
+reduce_scatter root    272 B  backward
+reduce_scatter 0       576 B  backward""")
+
+
+def test_no_grad_forward_reshards_the_root_too(traces: dict[str, str]) -> None:
+    assert_expected_inline(traces["no_grad"], """\
+unshard       root  forward
+unshard       0     forward
+reshard       0     forward
+unshard       2     forward
+reshard       2     forward
+reshard       root  forward
+--
+all_gather     root    272 B  forward
+all_gather     0       576 B  forward
+all_gather     2      1088 B  forward""")
+
+
+def test_no_gradient_sync_issues_no_reduce_scatter(traces: dict[str, str]) -> None:
+    assert_expected_inline(traces["no_sync"], """\
+unshard       root  forward
+unshard       0     forward
+reshard       0     forward
+unshard       2     forward
+reshard       2     forward
+pre_backward  root  backward
+unshard       2     backward
+pre_backward  2     backward
+unshard       0     backward
+post_backward 2     backward
+reshard       2     backward
+pre_backward  0     backward
+post_backward root  backward
+reshard       root  backward
+post_backward 0     backward
+reshard       0     backward
+--
+all_gather     root    272 B  forward
+all_gather     0       576 B  forward
+all_gather     2      1088 B  forward
+all_gather     2      1088 B  backward
+all_gather     0       576 B  backward""")

@@ -1,0 +1,104 @@
+"""Memory: unsharded storage freed on reshard, kept when asked, no growth across steps."""
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from dtensor_fsdp import fully_shard
+from tests._harness import run_distributed
+
+
+def _model(mesh: Any, reshard_after_forward: bool) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
+    for block in (model[0], model[2]):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _storage_bytes(module: nn.Module) -> list[int]:
+    group = module._get_fsdp_state().group
+    return [p.unsharded_param.untyped_storage().nbytes() for p in group.fsdp_params]
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of every distinct live tensor storage in this process."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _run(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    out: dict[str, Any] = {}
+    for reshard in (True, False):
+        model = _model(mesh, reshard)
+        loss = model(torch.randn(4, 8)).sum()
+        out[f"after_forward_{reshard}"] = [_storage_bytes(m) for m in (model[0], model[2], model)]
+        out[f"registered_after_forward_{reshard}"] = type(model[0].weight.data).__name__
+        loss.backward()
+        out[f"after_backward_{reshard}"] = [_storage_bytes(m) for m in (model[0], model[2], model)]
+        out[f"unsharded_grads_{reshard}"] = [
+            p.unsharded_param.grad is None
+            for m in (model[0], model[2], model)
+            for p in m._get_fsdp_state().group.fsdp_params
+        ]
+        out[f"grads_{reshard}"] = {n: (type(p.grad).__name__, tuple(p.grad.to_local().shape)) for n, p in model.named_parameters()}
+
+    model = _model(mesh, True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    live = []
+    for _ in range(10):
+        model(torch.randn(4, 8)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+        live.append(_live_tensor_bytes())
+    out["live_bytes_per_step"] = live
+    return out
+
+
+@pytest.fixture(scope="module")
+def record() -> dict[str, Any]:
+    return run_distributed(_run, 2)[0]
+
+
+def test_reshard_after_forward_frees_unsharded_storage(record: dict[str, Any]) -> None:
+    blocks_0, blocks_2, root = record["after_forward_True"]
+    assert blocks_0 == [0, 0] and blocks_2 == [0, 0]
+    # The root keeps its params for backward (reshard_after_forward=None on the root):
+    # weight padded to 2 ranks x 2 rows of 32 fp32, bias 2 x 2 fp32.
+    assert root == [4 * 32 * 4, 4 * 4]
+    assert record["registered_after_forward_True"] == "DTensor"
+
+
+def test_no_reshard_after_forward_keeps_unsharded_storage(record: dict[str, Any]) -> None:
+    blocks_0, blocks_2, _ = record["after_forward_False"]
+    assert blocks_0 == [32 * 8 * 4, 32 * 4] and blocks_2 == [32 * 32 * 4, 32 * 4]
+    assert record["registered_after_forward_False"] == "Tensor"
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_backward_frees_everything_unsharded(record: dict[str, Any], reshard: bool) -> None:
+    assert record[f"after_backward_{reshard}"] == [[0, 0], [0, 0], [0, 0]]
+    assert all(record[f"unsharded_grads_{reshard}"])
+    assert record[f"grads_{reshard}"] == {
+        "0.weight": ("DTensor", (16, 8)), "0.bias": ("DTensor", (16,)),
+        "2.weight": ("DTensor", (16, 32)), "2.bias": ("DTensor", (16,)),
+        "4.weight": ("DTensor", (2, 32)), "4.bias": ("DTensor", (2,)),
+    }
+
+
+def test_no_growth_in_live_memory_across_steps(record: dict[str, Any]) -> None:
+    live = record["live_bytes_per_step"]
+    # Step 1 creates the optimizer state; from then on every step frees what it allocates.
+    assert len(set(live[1:])) == 1, live
