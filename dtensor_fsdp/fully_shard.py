@@ -23,10 +23,16 @@ from .api import (
     OffloadPolicy,
     ReduceScatter,
 )
-from .mesh import MeshInfo, default_mesh, mesh_info_for
+from .mesh import (
+    MeshInfo,
+    default_mesh,
+    mesh_info_for,
+    post_forward_mesh_info,
+    validate_post_forward_size,
+)
 from .param import ParamSlot
 from .param_group import FSDPParamGroup
-from .state import STATE_ATTR, FSDPState, state_of
+from .state import STATE_ATTR, FSDPState, assign_fqns, state_of
 from .trace import CommTrace
 
 
@@ -110,6 +116,7 @@ def fully_shard(
     _validate_devices(params, device)
     buffers = _moved_buffers(modules, device)
     param_device = _param_device(params, device)
+    is_hpz = _is_hpz(reshard_after_forward, mesh_info)
 
     # Everything below mutates: nothing in it may raise on user input.
     group = (
@@ -118,8 +125,11 @@ def fully_shard(
             modules,
             mesh_info,
             param_device,
-            reshard_after_forward=reshard_after_forward is not False,
+            reshard_after_forward=_reshards_after_forward(reshard_after_forward),
             fqn="",
+            post_forward_mesh_info=(
+                post_forward_mesh_info(mesh_info, reshard_after_forward) if is_hpz else None
+            ),
         )
         if params
         else None
@@ -146,6 +156,23 @@ _REPLACED_ATTR = "_dtensor_fsdp_sharded_as"
 
 
 # Validation #
+
+
+def _reshards_after_forward(reshard_after_forward: bool | int | None) -> bool:
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward is not False
+    return reshard_after_forward > 1  # an int: the post-forward world size; 1 keeps all
+
+
+def _is_hpz(reshard_after_forward: bool | int | None, mesh_info: MeshInfo) -> bool:
+    """Whether ``reshard_after_forward`` asks to reshard to a strictly smaller mesh.
+
+    As in torch, an int equal to the shard world size means True, and 1 means False.
+    """
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return False
+    validate_post_forward_size(mesh_info, reshard_after_forward)
+    return 1 < reshard_after_forward < mesh_info.shard_size
 
 
 def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
@@ -178,10 +205,9 @@ def _reject_unsupported(
     offload_policy: OffloadPolicy,
     dp_mesh_dims: Any,
 ) -> None:
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            f"reshard_after_forward={reshard_after_forward!r}: resharding to a smaller world "
-            "size after forward (an int) is not implemented yet (issue 3); use True or False"
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}"
         )
     if shard_placement_fn is not None:
         raise NotImplementedError("shard_placement_fn is not implemented yet (issue 4)")
@@ -421,8 +447,11 @@ class FSDPModule:
 
     def set_comm_trace(self, trace: CommTrace | None) -> None:
         """Record every collective and lifecycle step of this module's tree into
-        ``trace`` (``None`` stops recording). dtensor_fsdp only: not in torch."""
-        for state in self._fsdp_states(recurse=True):
+        ``trace`` (``None`` stops recording), named by their paths from this module.
+        dtensor_fsdp only: not in torch."""
+        states = self._fsdp_states(recurse=True)
+        assign_fqns((self,), states)  # type: ignore[arg-type]
+        for state in states:
             if state.group is not None:
                 state.group.trace = trace
 

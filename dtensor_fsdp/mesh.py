@@ -64,6 +64,27 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
     )
 
 
+def validate_post_forward_size(mesh_info: MeshInfo, size: int) -> None:
+    """``reshard_after_forward=size`` must divide the shard world size."""
+    world_size = mesh_info.shard_size
+    if size < 1 or world_size % size != 0:
+        raise ValueError(
+            f"reshard_after_forward={size} must be a divisor of the shard world size "
+            f"{world_size} (e.g. the number of ranks per node), or a bool"
+        )
+
+
+def post_forward_mesh_info(mesh_info: MeshInfo, size: int) -> MeshInfo:
+    """The mesh of ``size``-rank blocks of consecutive shard ranks that hpZ reshards to
+    after forward: rank r keeps its block's slice r % size of the unsharded params.
+
+    Creates process groups, so every rank must call it, in the same order.
+    """
+    assert 1 < size < mesh_info.shard_size and mesh_info.mesh.ndim == 1
+    ranks = mesh_info.mesh.mesh.view(-1, size)  # (W / size, size)
+    return MeshInfo(mesh=DeviceMesh(mesh_info.mesh.device_type, ranks), shard_axis=1)
+
+
 def mesh_device(mesh: DeviceMesh) -> torch.device:
     """The device of this rank's tensors: the mesh's device type, on the current index."""
     if mesh.device_type == "cpu":

@@ -14,6 +14,7 @@ and that one shard is copied in before the all-gather.
 
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
@@ -33,6 +34,16 @@ from .mesh import MeshInfo
 from .param import FSDPParam, ParamSlot, ShardedState
 from .scheduler import CommContext
 from .trace import CommEvent, CommTrace, LifecycleEvent
+
+
+@dataclass(frozen=True)
+class AllGatherSource:
+    """What an unshard all-gathers: the sharded buffer over the shard mesh, or after an
+    hpZ reshard the post-forward buffer over the smaller post-forward mesh."""
+
+    input: torch.Tensor  # 1-D uint8
+    mesh_info: MeshInfo
+    split_nbytes: list[int]  # each param's bytes per rank of the all-gather
 
 
 class TrainingState(Enum):
@@ -55,6 +66,7 @@ class FSDPParamGroup:
         device: torch.device,
         reshard_after_forward: bool,
         fqn: str,
+        post_forward_mesh_info: MeshInfo | None = None,
     ) -> None:
         """Shard ``params`` into a new sharded buffer; the modules are not touched yet.
 
@@ -64,11 +76,15 @@ class FSDPParamGroup:
             device: where the sharded buffer lives (``meta`` for meta-device params).
             reshard_after_forward: whether to free the unsharded params after forward.
             fqn: the group's name in messages and traces ('' for the root module).
+            post_forward_mesh_info: with ``reshard_after_forward``, reshard to this
+                smaller mesh after forward instead of the full one (hpZ, see
+                `_reshard_post_forward`).
         """
         self.fqn = fqn
         self.modules = modules
         self.mesh_info = mesh_info
         self.reshard_after_forward = reshard_after_forward
+        self.post_forward_mesh_info = post_forward_mesh_info
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.fsdp_params = self._shard(params, device)
@@ -78,7 +94,11 @@ class FSDPParamGroup:
         self.ctx: CommContext | None = None  # handed down at the root's lazy init
         self.trace: CommTrace | None = None
         self._all_gather: AllGatherResult | None = None  # issued, not yet copied out
+        self._all_gather_source: AllGatherSource | None = None  # what it gathers
         self._all_gather_issued_s = 0.0
+        # hpZ: this rank's 1/k of the padded unsharded params, kept between forward and
+        # backward; None when the group is fully sharded or unsharded.
+        self._post_forward_buffer: torch.Tensor | None = None
         self._forwarded_modules: set[int] = set()  # ids of modules whose forward ran
         self._pending_post_backward_nodes = 0
 
@@ -120,21 +140,23 @@ class FSDPParamGroup:
             if not async_op:
                 self.wait_for_unshard()
             return
-        for fsdp_param in self.fsdp_params:
-            if not fsdp_param.is_sharded_storage_aliased():
-                fsdp_param.copy_sharded_into_storage()
+        source = self._all_gather_source_now()
         self._record("unshard")
         self._all_gather_issued_s = time.perf_counter()
-        self._all_gather = all_gather(self.sharded_buffer, self.mesh_info.shard_group, async_op=True)
+        self._all_gather = all_gather(source.input, source.mesh_info.shard_group, async_op=True)
+        self._all_gather_source = source
         if not async_op:
             self.wait_for_unshard()
 
     def wait_for_unshard(self) -> None:
         """Wait for the in-flight all-gather, copy out, register the unsharded params."""
+        source = self._all_gather_source
         result = self._wait_all_gather()
         if result is None:
             return
-        world_size = self.mesh_info.shard_size
+        assert source is not None
+        self._post_forward_buffer = None  # its contents are in the all-gather output now
+        world_size = source.mesh_info.shard_size
         for fsdp_param in self.fsdp_params:
             fsdp_param.alloc_unsharded()
         with ExitStack() as stack:
@@ -147,7 +169,7 @@ class FSDPParamGroup:
             copy_out(
                 result.output,
                 world_size,
-                self.split_nbytes,
+                source.split_nbytes,
                 [p.all_gather_output_view(world_size) for p in self.fsdp_params],
             )
         for fsdp_param in self.fsdp_params:
@@ -158,6 +180,7 @@ class FSDPParamGroup:
         """Free the unsharded params and register the sharded ones."""
         # A prefetched all-gather still writes into its output: let it finish first.
         self._wait_all_gather()
+        self._post_forward_buffer = None
         if self.sharded_state == ShardedState.SHARDED:
             return
         self._record("reshard")
@@ -176,9 +199,32 @@ class FSDPParamGroup:
             return
         self._forwarded_modules.clear()
         # With grad disabled no backward follows, so even the root need not stay unsharded.
-        if self.reshard_after_forward or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            self.reshard()
+        elif self.reshard_after_forward and self.post_forward_mesh_info is not None:
+            self._reshard_post_forward(self.post_forward_mesh_info)
+        elif self.reshard_after_forward:
             self.reshard()
         self.training_state = TrainingState.IDLE
+
+    def _reshard_post_forward(self, post_forward: MeshInfo) -> None:
+        """hpZ: keep this rank's 1/k of the padded unsharded params (k = the post-forward
+        mesh size, e.g. one node), so backward all-gathers over k ranks, not W.
+
+        The padded unsharded buffer of a param is W padded shards; viewed as (k, W/k
+        shards) row j is what rank j of each k-group keeps. Concatenated over params,
+        the rows form the backward all-gather input, whose output (k rows) copies out
+        exactly like a W-rank one with W/k-times wider columns.
+        """
+        if self.sharded_state != ShardedState.UNSHARDED:
+            return
+        k, j = post_forward.shard_size, post_forward.shard_rank
+        kept = [p.all_gather_output_view(k)[j] for p in self.fsdp_params]  # each (W/k * bytes,)
+        self._post_forward_buffer = torch.cat(kept)  # (W/k * shard_nbytes,) uint8
+        self._record("reshard_post_forward")
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.to_sharded()
+        self.sharded_state = ShardedState.SHARDED
 
     def pre_backward(self) -> None:
         if self.training_state == TrainingState.PRE_BACKWARD:
@@ -223,13 +269,36 @@ class FSDPParamGroup:
 
     # Communication helpers #
 
+    def _all_gather_source_now(self) -> "AllGatherSource":
+        if self._post_forward_buffer is not None:
+            assert self.post_forward_mesh_info is not None
+            ratio = self.mesh_info.shard_size // self.post_forward_mesh_info.shard_size
+            return AllGatherSource(
+                self._post_forward_buffer,
+                self.post_forward_mesh_info,
+                [ratio * nbytes for nbytes in self.split_nbytes],
+            )
+        for fsdp_param in self.fsdp_params:
+            if not fsdp_param.is_sharded_storage_aliased():
+                fsdp_param.copy_sharded_into_storage()
+        return AllGatherSource(self.sharded_buffer, self.mesh_info, self.split_nbytes)
+
     def _wait_all_gather(self) -> AllGatherResult | None:
         result, self._all_gather = self._all_gather, None
+        source, self._all_gather_source = self._all_gather_source, None
         if result is None:
             return None
+        assert source is not None
+        wait_s = time.perf_counter()
         if result.work is not None:
             result.work.wait()
-        self._record_comm("all_gather", result.output.numel(), self._all_gather_issued_s)
+        self._record_comm(
+            "all_gather",
+            result.output.numel(),
+            self._all_gather_issued_s,
+            wait_s,
+            group_size=source.mesh_info.shard_size,
+        )
         return result
 
     def _reduce_scatter_grads(self) -> None:
@@ -252,9 +321,10 @@ class FSDPParamGroup:
     def _finish_reduce_scatter(
         self, result: ReduceScatterResult, with_grad: list[FSDPParam], issued_s: float
     ) -> None:
+        wait_s = time.perf_counter()
         if result.work is not None:
             result.work.wait()
-        self._record_comm("reduce_scatter", result.input_nbytes, issued_s, phase="backward")
+        self._record_comm("reduce_scatter", result.input_nbytes, issued_s, wait_s, phase="backward")
         reduced = finish_reduce_scatter(result)  # (sum of padded chunk numels,)
         offset = 0
         for fsdp_param in with_grad:
@@ -279,15 +349,24 @@ class FSDPParamGroup:
         if self.trace is not None:
             self.trace.lifecycle.append(LifecycleEvent(event, self.fqn, self._phase()))
 
-    def _record_comm(self, kind: str, nbytes: int, issued_s: float, phase: str | None = None) -> None:
+    def _record_comm(
+        self,
+        kind: str,
+        nbytes: int,
+        issued_s: float,
+        wait_s: float,
+        phase: str | None = None,
+        group_size: int | None = None,
+    ) -> None:
         if self.trace is not None:
             self.trace.events.append(
                 CommEvent(
                     kind=kind,
                     fqn=self.fqn,
-                    group_size=self.mesh_info.shard_size,
+                    group_size=group_size or self.mesh_info.shard_size,
                     nbytes=nbytes,
                     start_s=issued_s,
+                    wait_s=wait_s,
                     end_s=time.perf_counter(),
                     phase=phase or self._phase(),
                 )

@@ -83,7 +83,7 @@ class FSDPState:
                     f"of another root; run forward through the root module "
                     f"{_describe(self.modules)} first (FSDP picks the root at the first forward)"
                 )
-        _assign_fqns(self.modules, states)
+        assign_fqns(self.modules, states)
         ctx = CommContext(self.max_in_flight_reduce_scatters)
         for state in states:
             state.ctx = ctx
@@ -233,7 +233,7 @@ def states_under(modules: tuple[nn.Module, ...]) -> list[FSDPState]:
     return list(seen.values())
 
 
-def _assign_fqns(roots: tuple[nn.Module, ...], states: list[FSDPState]) -> None:
+def assign_fqns(roots: tuple[nn.Module, ...], states: list[FSDPState]) -> None:
     """Name each group and parameter by its path from the root, for messages and traces
     (at fully_shard time, bottom-up, the root is not known yet)."""
     names: dict[int, str] = {}

@@ -26,7 +26,8 @@ class CommEvent:
         group_size: ranks in the process group the collective ran over.
         nbytes: bytes of the unsharded buffer: all-gather output, reduce-scatter input.
         start_s: host time the collective was issued.
-        end_s: host time its wait returned.
+        wait_s: host time the wait for it began (when its result was first needed).
+        end_s: host time its wait returned; ``end_s - wait_s`` is exposed communication.
         phase: ``"forward"``, ``"backward"`` or ``"explicit"`` (a user ``unshard()``).
     """
 
@@ -35,8 +36,14 @@ class CommEvent:
     group_size: int
     nbytes: int
     start_s: float
+    wait_s: float
     end_s: float
     phase: str
+
+    @property
+    def exposed_s(self) -> float:
+        """Host time spent blocked on this collective: what overlap did not hide."""
+        return self.end_s - self.wait_s
 
     @property
     def wire_bytes(self) -> float:
@@ -70,13 +77,16 @@ class CommTrace:
         return [(e.event, e.fqn, e.phase) for e in self.lifecycle]
 
     def summary(self, steps: int = 1) -> dict[str, Any]:
-        """Collectives and bytes per step, by kind, and the host time spent waiting."""
+        """Per step, by kind: collectives, bytes, ring wire bytes, exposed wait seconds."""
         per_kind: dict[str, dict[str, float]] = {}
         for event in self.events:
-            entry = per_kind.setdefault(event.kind, {"count": 0, "nbytes": 0, "wire_bytes": 0.0})
+            entry = per_kind.setdefault(
+                event.kind, {"count": 0, "nbytes": 0, "wire_bytes": 0.0, "exposed_s": 0.0}
+            )
             entry["count"] += 1
             entry["nbytes"] += event.nbytes
             entry["wire_bytes"] += event.wire_bytes
+            entry["exposed_s"] += event.exposed_s
         return {
             kind: {name: value / steps for name, value in entry.items()}
             for kind, entry in per_kind.items()
@@ -96,7 +106,11 @@ class CommTrace:
                     "dur": (event.end_s - event.start_s) * 1e6,
                     "pid": 0,
                     "tid": event.kind,
-                    "args": {"nbytes": event.nbytes, "group_size": event.group_size},
+                    "args": {
+                        "nbytes": event.nbytes,
+                        "group_size": event.group_size,
+                        "exposed_us": event.exposed_s * 1e6,
+                    },
                 }
                 for event in self.events
             ]

@@ -35,10 +35,11 @@ def _model(mesh: Any, **kwargs: Any) -> nn.Sequential:
     return model
 
 
-def _render(trace: CommTrace) -> str:
+def _render(trace: CommTrace, with_group_size: bool = False) -> str:
     schedule = [f"{event:<13} {fqn or 'root':<5} {phase}" for event, fqn, phase in trace.schedule()]
     comms = [
         f"{e.kind:<14} {e.fqn or 'root':<5} {e.nbytes:>5} B  {e.phase}"
+        + (f"  over {e.group_size} ranks" if with_group_size else "")
         for e in sorted(trace.events, key=lambda e: e.start_s)
     ]
     return "\n".join(schedule + ["--"] + comms)
@@ -83,12 +84,81 @@ def _scenarios(rank: int, world_size: int) -> dict[str, str]:
         _step(model, rank)
 
     traced("no_sync", _model(mesh), accumulate)
+
+    model = _model(mesh)
+    trace = CommTrace()
+    model.set_comm_trace(trace)
+    handle = model[2].unshard(async_op=True)
+    handle.wait()
+    out["unshard_registers"] = type(model[2].weight.data).__name__
+    _step(model, rank)  # block 2's forward finds it unsharded: no second all-gather
+    out["explicit_unshard"] = _render(trace)
     return out
+
+
+def _hpz(rank: int, world_size: int) -> dict[str, Any]:
+    """reshard_after_forward=2 on 4 ranks: backward all-gathers run over 2 ranks, and
+    training matches the default schedule exactly."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    hpz, default = _model(mesh, reshard_after_forward=2), _model(mesh)
+    trace = CommTrace()
+    hpz.set_comm_trace(trace)
+    max_diff = 0.0
+    for model in (hpz, default):
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            _step(model, rank)
+            optim.step()
+            optim.zero_grad()
+    for p, q in zip(hpz.parameters(), default.parameters(), strict=True):
+        max_diff = max(max_diff, (p.full_tensor() - q.full_tensor()).abs().max().item())
+    steps = len(trace.events) // 8
+    trace.events[:] = trace.events[-8:]  # the last step
+    trace.lifecycle[:] = trace.lifecycle[-len(trace.lifecycle) // steps :]
+    return {"trace": _render(trace, with_group_size=True), "max_diff": max_diff}
 
 
 @pytest.fixture(scope="module")
 def traces() -> dict[str, str]:
     return run_distributed(_scenarios, WORLD_SIZE)[0]
+
+
+@pytest.fixture(scope="module")
+def hpz() -> dict[str, Any]:
+    return run_distributed(_hpz, 4)[0]
+
+
+def test_hpz_backward_all_gathers_over_the_smaller_mesh(hpz: dict[str, Any]) -> None:
+    # Blocks keep 1/2 of their unsharded params after forward (W=4, k=2), so their
+    # backward all-gathers move the same bytes over 2 ranks: (k-1)/k of them on the
+    # wire instead of (W-1)/W, and on an intra-node group in a real deployment.
+    assert hpz["max_diff"] == 0.0
+    assert_expected_inline(hpz["trace"], """\
+unshard       root  forward
+unshard       0     forward
+reshard_post_forward 0     forward
+unshard       2     forward
+reshard_post_forward 2     forward
+pre_backward  root  backward
+unshard       2     backward
+pre_backward  2     backward
+unshard       0     backward
+post_backward 2     backward
+reshard       2     backward
+pre_backward  0     backward
+post_backward root  backward
+reshard       root  backward
+post_backward 0     backward
+reshard       0     backward
+--
+all_gather     root    272 B  forward  over 4 ranks
+all_gather     0       576 B  forward  over 4 ranks
+all_gather     2      1088 B  forward  over 4 ranks
+all_gather     2      1088 B  backward  over 2 ranks
+all_gather     0       576 B  backward  over 2 ranks
+reduce_scatter 2      1088 B  backward  over 4 ranks
+reduce_scatter root    272 B  backward  over 4 ranks
+reduce_scatter 0       576 B  backward  over 4 ranks""")
 
 
 def test_default_schedule(traces: dict[str, str]) -> None:
@@ -215,3 +285,33 @@ all_gather     0       576 B  forward
 all_gather     2      1088 B  forward
 all_gather     2      1088 B  backward
 all_gather     0       576 B  backward""")
+
+
+def test_explicit_async_unshard(traces: dict[str, str]) -> None:
+    assert traces["unshard_registers"] == "Tensor"  # the unsharded param, not the DTensor
+    assert_expected_inline(traces["explicit_unshard"], """\
+unshard       2     explicit
+unshard       root  forward
+unshard       0     forward
+reshard       0     forward
+reshard       2     forward
+pre_backward  root  backward
+unshard       2     backward
+pre_backward  2     backward
+unshard       0     backward
+post_backward 2     backward
+reshard       2     backward
+pre_backward  0     backward
+post_backward root  backward
+reshard       root  backward
+post_backward 0     backward
+reshard       0     backward
+--
+all_gather     2      1088 B  explicit
+all_gather     root    272 B  forward
+all_gather     0       576 B  forward
+all_gather     2      1088 B  backward
+all_gather     0       576 B  backward
+reduce_scatter 2      1088 B  backward
+reduce_scatter root    272 B  backward
+reduce_scatter 0       576 B  backward""")

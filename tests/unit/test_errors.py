@@ -129,7 +129,6 @@ def test_trainable_parameters_of_different_dtypes_in_one_group() -> None:
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"reshard_after_forward": 2}, "issue 3"),
         ({"shard_placement_fn": lambda p: None}, "issue 4"),
         ({"dp_mesh_dims": DataParallelMeshDims(shard="dp")}, "issue 4"),
         ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}, "issue 5"),
@@ -141,6 +140,20 @@ def test_arguments_not_built_yet_say_so(kwargs: dict[str, Any], match: str) -> N
     with fake_mesh(2) as mesh:
         _assert_rejected(
             model, lambda: fully_shard(model, mesh=mesh, **kwargs), NotImplementedError, match
+        )
+
+
+@pytest.mark.parametrize("value", [3, 0, -2])
+def test_reshard_after_forward_int_must_divide_the_world_size(value: int) -> None:
+    model = _mlp()
+    with fake_mesh(4) as mesh:
+        _assert_rejected(
+            model, lambda: fully_shard(model, mesh=mesh, reshard_after_forward=value),
+            ValueError, f"reshard_after_forward={value} must be a divisor of the shard world size 4",
+        )
+        _assert_rejected(
+            model, lambda: fully_shard(model, mesh=mesh, reshard_after_forward="yes"),
+            TypeError, "must be a bool, an int or None",
         )
 
 
