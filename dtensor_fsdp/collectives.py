@@ -141,5 +141,14 @@ def finish_reduce_scatter(result: ReduceScatterResult) -> torch.Tensor:
     return result.output.div_(result.world_size)
 
 
+def all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Average ``tensor`` in place over ``group`` (HSDP's replicate axis).
+
+    SUM then divide: gloo has no PREMUL_SUM, and AVG is not on every backend.
+    """
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    tensor.div_(group.size())
+
+
 def _padded_chunk_numel(tensor: torch.Tensor, world_size: int) -> int:
     return chunk_rows(tensor.shape[0], world_size) * math.prod(tensor.shape[1:])

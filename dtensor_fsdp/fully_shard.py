@@ -409,8 +409,13 @@ class FSDPModule:
                 state.group.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP only: whether to all-reduce over the replicate axis (issue 4)."""
-        raise NotImplementedError("set_requires_all_reduce needs HSDP, not implemented yet (issue 4)")
+        """HSDP: whether backward all-reduces gradients over the replicate axis. ``False``
+        still reduce-scatters within the shard axis and keeps the partial result, which
+        the next backward with all-reduce adds in (gradient accumulation across nodes
+        at intra-node cost). No effect on a 1-D mesh."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free the unsharded parameters after forward."""

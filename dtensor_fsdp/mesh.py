@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,23 @@ class MeshInfo:
         return self.replicate_axis is not None
 
     @property
+    def replicate_group(self) -> dist.ProcessGroup:
+        assert self.replicate_axis is not None
+        return self.mesh.get_group(self.replicate_axis)
+
+    @property
+    def replicate_size(self) -> int:
+        return 1 if self.replicate_axis is None else self.mesh.size(self.replicate_axis)
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        """The sharded params' placements: ``(Shard(0),)``, or for HSDP
+        ``(Replicate(), Shard(0))``."""
+        if self.replicate_axis is None:
+            return (Shard(0),)
+        return (Replicate(), Shard(0))
+
+    @property
     def device(self) -> torch.device:
         return mesh_device(self.mesh)
 
@@ -58,9 +76,13 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
         raise TypeError(f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim == 1:
         return MeshInfo(mesh=mesh, shard_axis=0)
-    raise NotImplementedError(
-        f"fully_shard got a {mesh.ndim}-D mesh {mesh}; only 1-D meshes (FSDP) are supported so "
-        "far. Hybrid sharding on a 2-D (replicate, shard) mesh is tracked by issue 4."
+    if mesh.ndim == 2:
+        # HSDP: replicate over axis 0 (across nodes), shard over axis 1 (within a node).
+        return MeshInfo(mesh=mesh, shard_axis=1, replicate_axis=0)
+    raise ValueError(
+        f"fully_shard got a {mesh.ndim}-D mesh {mesh}: pass a 1-D mesh (FSDP) or a 2-D "
+        "(replicate, shard) mesh (HSDP); for tensor parallelism pass the data-parallel "
+        "sub-mesh, e.g. mesh['dp'] or mesh['replicate', 'shard']"
     )
 
 
@@ -80,9 +102,12 @@ def post_forward_mesh_info(mesh_info: MeshInfo, size: int) -> MeshInfo:
 
     Creates process groups, so every rank must call it, in the same order.
     """
-    assert 1 < size < mesh_info.shard_size and mesh_info.mesh.ndim == 1
-    ranks = mesh_info.mesh.mesh.view(-1, size)  # (W / size, size)
-    return MeshInfo(mesh=DeviceMesh(mesh_info.mesh.device_type, ranks), shard_axis=1)
+    assert 1 < size < mesh_info.shard_size
+    # (..., W / size, size): the last axis groups consecutive shard ranks; for HSDP the
+    # replicate axis stays in front and is not used after forward.
+    ranks = mesh_info.mesh.mesh.reshape(*mesh_info.mesh.mesh.shape[:-1], -1, size)
+    mesh = DeviceMesh(mesh_info.mesh.device_type, ranks.flatten(0, -2))
+    return MeshInfo(mesh=mesh, shard_axis=1)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -30,7 +30,7 @@ from enum import Enum, auto
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ._tensor_utils import alloc_storage, chunk_rows, free_storage, local_rows
 from .mesh import MeshInfo
@@ -93,6 +93,9 @@ class FSDPParam:
         self._padded_shard = sharded_storage.view(self.dtype).view(
             self.chunk_rows, *self.shape[1:]
         )  # (chunk_rows, *shape[1:])
+        # HSDP with all-reduce off: this rank's shard-averaged grad chunk, summed over
+        # micro-batches, awaiting the all-reduce over the replicate axis. 1-D, padded.
+        self.partial_reduced_grad: torch.Tensor | None = None
         self._init_sharded_param(original, rank)
         self._init_unsharded_param(world_size)
         self.sharded_state = ShardedState.SHARDED
@@ -115,7 +118,7 @@ class FSDPParam:
             sharded = DTensor.from_local(
                 local,
                 self.mesh_info.mesh,
-                (Shard(0),),
+                self.mesh_info.placements,
                 run_check=False,
                 shape=self.shape,
                 stride=_contiguous_stride(self.shape),
@@ -174,6 +177,17 @@ class FSDPParam:
     def clear_unsharded_grad(self) -> None:
         self.unsharded_param.grad = None
 
+    @property
+    def padded_shard_numel(self) -> int:
+        return self.chunk_rows * self.row_numel
+
+    def accumulate_partial_grad(self, reduced: torch.Tensor) -> None:
+        """Hold a reduce-scattered chunk until the replicate all-reduce (HSDP)."""
+        if self.partial_reduced_grad is None:
+            self.partial_reduced_grad = reduced.clone()
+        else:
+            self.partial_reduced_grad.add_(reduced)
+
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
         """Land this rank's averaged gradient chunk on ``sharded_param.grad``.
 
@@ -188,7 +202,7 @@ class FSDPParam:
             self.sharded_param.grad = DTensor.from_local(
                 local.to(self.dtype),
                 self.mesh_info.mesh,
-                (Shard(0),),
+                self.mesh_info.placements,
                 run_check=False,
                 shape=self.shape,
                 stride=_contiguous_stride(self.shape),

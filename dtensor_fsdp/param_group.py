@@ -26,6 +26,7 @@ from .collectives import (
     ReduceScatterPlan,
     ReduceScatterResult,
     all_gather,
+    all_reduce_mean,
     copy_out,
     finish_reduce_scatter,
     reduce_scatter,
@@ -87,6 +88,7 @@ class FSDPParamGroup:
         self.post_forward_mesh_info = post_forward_mesh_info
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: all-reduce over the replicate axis
         self.fsdp_params = self._shard(params, device)
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
@@ -326,11 +328,37 @@ class FSDPParamGroup:
             result.work.wait()
         self._record_comm("reduce_scatter", result.input_nbytes, issued_s, wait_s, phase="backward")
         reduced = finish_reduce_scatter(result)  # (sum of padded chunk numels,)
-        offset = 0
-        for fsdp_param in with_grad:
-            numel = fsdp_param.chunk_rows * fsdp_param.row_numel
-            fsdp_param.accumulate_sharded_grad(reduced[offset : offset + numel])
-            offset += numel
+        chunks = dict(zip(with_grad, reduced.split([p.padded_shard_numel for p in with_grad]), strict=True))
+        if self.mesh_info.is_hsdp:
+            if not self.requires_all_reduce:
+                for fsdp_param, chunk in chunks.items():
+                    fsdp_param.accumulate_partial_grad(chunk)
+                return
+            chunks = self._all_reduce_over_replicas(chunks)
+        for fsdp_param, chunk in chunks.items():
+            fsdp_param.accumulate_sharded_grad(chunk)
+
+    def _all_reduce_over_replicas(self, chunks: dict[FSDPParam, torch.Tensor]) -> dict[FSDPParam, torch.Tensor]:
+        """HSDP: average the shard-reduced chunks over the replicate axis, in one
+        all-reduce, adding the partial sums that micro-batches without all-reduce left."""
+        params = [p for p in self.fsdp_params if p in chunks or p.partial_reduced_grad is not None]
+        parts = []
+        for fsdp_param in params:
+            chunk, partial = chunks.get(fsdp_param), fsdp_param.partial_reduced_grad
+            parts.append(chunk if partial is None else partial if chunk is None else partial + chunk)
+            fsdp_param.partial_reduced_grad = None
+        flat = torch.cat(parts)  # (sum of padded chunk numels,)
+        issued_s = time.perf_counter()
+        all_reduce_mean(flat, self.mesh_info.replicate_group)
+        self._record_comm(
+            "all_reduce",
+            flat.numel() * flat.element_size(),
+            issued_s,
+            issued_s,
+            phase="backward",
+            group_size=self.mesh_info.replicate_size,
+        )
+        return dict(zip(params, flat.split([p.padded_shard_numel for p in params]), strict=True))
 
     # Tracing #
 

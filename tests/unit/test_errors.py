@@ -157,15 +157,16 @@ def test_reshard_after_forward_int_must_divide_the_world_size(value: int) -> Non
         )
 
 
-def test_mesh_must_be_a_1d_device_mesh() -> None:
+def test_mesh_must_be_a_1d_or_2d_device_mesh() -> None:
     model = _mlp()
-    with fake_mesh(4) as mesh:
+    with fake_mesh(8):
         _assert_rejected(
             model, lambda: fully_shard(model, mesh="cpu"), TypeError, "DeviceMesh"
         )
-        mesh_2d = DeviceMesh("cpu", torch.arange(4).view(2, 2))
+        mesh_3d = DeviceMesh("cpu", torch.arange(8).view(2, 2, 2))
         _assert_rejected(
-            model, lambda: fully_shard(model, mesh=mesh_2d), NotImplementedError, "2-D mesh.*issue 4"
+            model, lambda: fully_shard(model, mesh=mesh_3d), ValueError,
+            "3-D mesh.*1-D mesh \\(FSDP\\) or a 2-D \\(replicate, shard\\) mesh",
         )
 
 
