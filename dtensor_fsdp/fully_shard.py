@@ -28,9 +28,10 @@ from .mesh import (
     default_mesh,
     mesh_info_for,
     post_forward_mesh_info,
+    spmd_layout,
     validate_post_forward_size,
 )
-from .param import ParamSlot
+from .param import ParamSlot, ParamToShard
 from .param_group import FSDPParamGroup
 from .state import STATE_ATTR, FSDPState, assign_fqns, state_of
 from .trace import CommTrace
@@ -112,7 +113,7 @@ def fully_shard(
     mesh_info = mesh_info_for(mesh if mesh is not None else default_mesh())
     device = mesh_info.device
     ignored = set(ignored_params or ())
-    params = _collect_params(modules, ignored)
+    params = _collect_params(modules, ignored, mesh_info)
     _validate_devices(params, device)
     buffers = _moved_buffers(modules, device)
     param_device = _param_device(params, device)
@@ -137,8 +138,8 @@ def fully_shard(
     state = FSDPState(modules, group, auto_reshard_after_forward=reshard_after_forward is None)
     if group is not None:
         group.to_sharded_modules()
-        for fqn, original, _ in params:
-            setattr(original, _REPLACED_ATTR, f"{fqn} of {type(modules[0]).__name__}")
+        for source in params:
+            setattr(source.original, _REPLACED_ATTR, f"{source.fqn} of {type(modules[0]).__name__}")
     for owner, name, tensor in buffers:
         owner._buffers[name] = tensor
     for m in modules:
@@ -239,48 +240,49 @@ def _walk(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def _collect_params(
-    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
-) -> list[tuple[str, nn.Parameter, list[ParamSlot]]]:
+    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], mesh_info: MeshInfo
+) -> list[ParamToShard]:
     """Each parameter this call manages, once, with every slot it is registered in."""
-    found: dict[int, tuple[str, nn.Parameter, list[ParamSlot]]] = {}
+    found: dict[int, ParamToShard] = {}
     for root in modules:
         root_name = type(root).__name__
         for prefix, module in _walk(root):
             for name, param in module._parameters.items():
                 if param is None or param in ignored:
                     continue
-                fqn = f"{prefix}{name}"
-                if isinstance(param, DTensor):
-                    raise ValueError(
-                        f"fully_shard({root_name}): parameter '{fqn}' is already a DTensor. "
-                        "Either an earlier fully_shard call sharded it (a parameter shared "
-                        "between modules must be in one group: call fully_shard on their "
-                        "common ancestor, or fully_shard([module_a, module_b])), or it is "
-                        "tensor-parallel, which is not supported yet (issue 4)"
-                    )
-                sharded_as = getattr(param, _REPLACED_ATTR, None)
-                if sharded_as is not None:
-                    raise ValueError(
-                        f"fully_shard({root_name}): parameter '{fqn}' is shared with a module "
-                        f"that an earlier fully_shard call sharded (as '{sharded_as}'). A shared "
-                        "parameter must be in one group: call fully_shard on the modules' "
-                        "common ancestor only, or fully_shard([module_a, module_b])"
-                    )
-                if param.dim() == 0:
-                    raise ValueError(
-                        f"fully_shard({root_name}): parameter '{fqn}' is 0-dimensional and "
-                        "cannot be sharded on dim 0; pass it in ignored_params"
-                    )
-                entry = found.setdefault(id(param), (fqn, param, []))
-                entry[2].append(ParamSlot(module, name))
+                if id(param) not in found:
+                    found[id(param)] = _param_to_shard(root_name, f"{prefix}{name}", param, mesh_info)
+                found[id(param)].slots.append(ParamSlot(module, name))
     params = list(found.values())
     _validate_grad_dtypes(params)
     return params
 
 
-def _validate_grad_dtypes(params: list[tuple[str, nn.Parameter, list[ParamSlot]]]) -> None:
+def _param_to_shard(root_name: str, fqn: str, param: nn.Parameter, mesh_info: MeshInfo) -> ParamToShard:
+    sharded_as = getattr(param, _REPLACED_ATTR, None)
+    if sharded_as is not None:
+        raise ValueError(
+            f"fully_shard({root_name}): parameter '{fqn}' is shared with a module that an "
+            f"earlier fully_shard call sharded (as '{sharded_as}'). A shared parameter must be "
+            "in one group: call fully_shard on the modules' common ancestor only, or "
+            "fully_shard([module_a, module_b])"
+        )
+    try:
+        layout = spmd_layout(mesh_info, param, fqn)
+    except ValueError as error:
+        raise ValueError(f"fully_shard({root_name}): {error}") from None
+    source = ParamToShard(fqn, param, [], layout)
+    if source.data.dim() == 0:
+        raise ValueError(
+            f"fully_shard({root_name}): parameter '{fqn}' is 0-dimensional and cannot be "
+            "sharded on dim 0; pass it in ignored_params"
+        )
+    return source
+
+
+def _validate_grad_dtypes(params: list[ParamToShard]) -> None:
     # One reduce-scatter per group needs one gradient dtype.
-    dtypes = {p.dtype: fqn for fqn, p, _ in params if p.requires_grad}
+    dtypes = {p.data.dtype: p.fqn for p in params if p.original.requires_grad}
     if len(dtypes) > 1:
         named = ", ".join(f"'{fqn}' ({dtype})" for dtype, fqn in dtypes.items())
         raise NotImplementedError(
@@ -289,10 +291,10 @@ def _validate_grad_dtypes(params: list[tuple[str, nn.Parameter, list[ParamSlot]]
         )
 
 
-def _validate_devices(params: list[tuple[str, nn.Parameter, list[ParamSlot]]], device: torch.device) -> None:
-    for fqn, param, _ in params:
-        _check_device(f"parameter '{fqn}'", param, device)
-    kinds = {param.device.type == "meta" for _, param, _ in params}
+def _validate_devices(params: list[ParamToShard], device: torch.device) -> None:
+    for source in params:
+        _check_device(f"parameter '{source.fqn}'", source.data, device)
+    kinds = {source.data.device.type == "meta" for source in params}
     if len(kinds) > 1:
         raise ValueError(
             "fully_shard: some parameters of this group are on the meta device and some are "
@@ -328,8 +330,8 @@ def _moved_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> list
     return moved
 
 
-def _param_device(params: list[tuple[str, nn.Parameter, list[ParamSlot]]], device: torch.device) -> torch.device:
-    if params and params[0][1].device.type == "meta":
+def _param_device(params: list[ParamToShard], device: torch.device) -> torch.device:
+    if params and params[0].data.device.type == "meta":
         return torch.device("meta")
     return device
 

@@ -1,11 +1,14 @@
-"""MeshInfo: which mesh axis FSDP shards over, and the process group behind it."""
+"""MeshInfo: which mesh axis FSDP shards over, and the process group behind it; and
+SpmdLayout: the mesh and placements of one parameter, tensor-parallel ones included."""
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,62 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
         "(replicate, shard) mesh (HSDP); for tensor parallelism pass the data-parallel "
         "sub-mesh, e.g. mesh['dp'] or mesh['replicate', 'shard']"
     )
+
+
+@dataclass(frozen=True)
+class SpmdLayout:
+    """Where one parameter's DTensors live.
+
+    ``mesh``/``placements`` describe the sharded param: the data-parallel mesh for a
+    plain parameter; for a tensor-parallel one (a DTensor on a TP mesh), the root mesh
+    of which both the data-parallel and the TP mesh are sub-meshes, with FSDP's shard
+    placement in front of the TP placements. ``tp_mesh``/``tp_placements`` describe
+    the unsharded param, which for TP is again the original TP DTensor.
+    """
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    tp_mesh: DeviceMesh | None = None
+    tp_placements: tuple[Placement, ...] | None = None
+
+
+def spmd_layout(mesh_info: MeshInfo, param: torch.Tensor, fqn: str) -> SpmdLayout:
+    """The layout of ``param`` under FSDP on ``mesh_info``, or a ValueError naming ``fqn``."""
+    if not isinstance(param, DTensor):
+        return SpmdLayout(mesh_info.mesh, mesh_info.placements)
+    tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
+    dp_mesh = mesh_info.mesh
+    dp_names = set(dp_mesh.mesh_dim_names or ())
+    if tp_mesh == dp_mesh or dp_names & set(tp_mesh.mesh_dim_names or ()):
+        raise ValueError(
+            f"parameter '{fqn}' is already a DTensor on the data-parallel mesh {dp_mesh}: an "
+            "earlier fully_shard call sharded it. A parameter shared between modules must be "
+            "in one group: call fully_shard on their common ancestor, or "
+            "fully_shard([module_a, module_b])"
+        )
+    # torch has no public "parent mesh" accessor; _get_root_mesh is on 2.11-2.14.
+    root = tp_mesh._get_root_mesh()
+    expected_names = tuple(dp_mesh.mesh_dim_names or ()) + tuple(tp_mesh.mesh_dim_names or ())
+    if dp_mesh._get_root_mesh() is not root or root.mesh_dim_names != expected_names:
+        raise ValueError(
+            f"parameter '{fqn}' is a DTensor on {tp_mesh}, which is not the tensor-parallel "
+            f"part of the data-parallel mesh's root mesh (expected dims {expected_names}). "
+            "Build one mesh, e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', "
+            "'tp')), parallelize the model on mesh['tp'] and pass mesh['dp'] to fully_shard"
+        )
+    if not all(isinstance(p, (Shard, Replicate)) for p in tp_placements):
+        raise ValueError(
+            f"parameter '{fqn}' has placements {tp_placements}; fully_shard composes with "
+            "Shard and Replicate tensor-parallel placements only"
+        )
+    # FSDP shards the TP-local tensor on dim 0. If TP also shards dim 0, the data
+    # parallel chunks interleave with the TP ones: a strided shard, as torch does.
+    split_factor = math.prod(
+        tp_mesh.size(axis) for axis, p in enumerate(tp_placements) if isinstance(p, Shard) and p.dim == 0
+    )
+    fsdp_placement = _StridedShard(0, split_factor=split_factor) if split_factor > 1 else Shard(0)
+    placements = (*mesh_info.placements[:-1], fsdp_placement, *tp_placements)
+    return SpmdLayout(root, placements, tp_mesh, tp_placements)
 
 
 def validate_post_forward_size(mesh_info: MeshInfo, size: int) -> None:

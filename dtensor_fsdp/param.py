@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ._tensor_utils import alloc_storage, chunk_rows, free_storage, local_rows
-from .mesh import MeshInfo
+from .mesh import MeshInfo, SpmdLayout
 
 
 class ShardedState(Enum):
@@ -41,6 +41,21 @@ class ShardedState(Enum):
 
     SHARDED = auto()
     UNSHARDED = auto()
+
+
+@dataclass(frozen=True)
+class ParamToShard:
+    """One parameter as ``fully_shard`` found and validated it, before any mutation."""
+
+    fqn: str
+    original: nn.Parameter
+    slots: list["ParamSlot"]
+    layout: SpmdLayout
+
+    @property
+    def data(self) -> torch.Tensor:
+        """What FSDP shards: the parameter, or for TP its local tensor."""
+        return self.original.to_local() if isinstance(self.original, DTensor) else self.original
 
 
 @dataclass(frozen=True)
@@ -62,29 +77,26 @@ class FSDPParam:
     """
 
     def __init__(
-        self,
-        fqn: str,
-        original: nn.Parameter,
-        slots: list[ParamSlot],
-        mesh_info: MeshInfo,
-        sharded_storage: torch.Tensor,
+        self, source: ParamToShard, mesh_info: MeshInfo, sharded_storage: torch.Tensor
     ) -> None:
-        """Shard ``original`` into ``sharded_storage``.
+        """Shard ``source.original`` into ``sharded_storage``.
 
         Args:
-            fqn: the parameter's fully-qualified name, for messages and traces.
-            original: the original param; only read.
-            slots: every place the parameter is registered.
+            source: the original param (only read), its name, slots and layout.
             mesh_info: the data-parallel mesh.
             sharded_storage: this parameter's segment of the group's sharded buffer,
                 1-D uint8 of exactly ``padded_shard_nbytes`` bytes, on the target device.
         """
-        self.fqn = fqn
-        self.slots = slots
+        original = source.data
+        self.fqn = source.fqn
+        self.slots = source.slots
         self.mesh_info = mesh_info
+        self.layout = source.layout
+        # FSDP chunks `shape` (for TP: the TP-local shape); DTensors report `global_shape`.
         self.shape = original.shape
+        self.global_shape = source.original.shape
         self.dtype = original.dtype
-        self.requires_grad = original.requires_grad
+        self.requires_grad = source.original.requires_grad
         world_size, rank = mesh_info.shard_size, mesh_info.shard_rank
         self.chunk_rows = chunk_rows(self.shape[0], world_size)
         self.local_rows = local_rows(self.shape[0], world_size, rank)
@@ -115,14 +127,7 @@ class FSDPParam:
             local = self._padded_shard[: self.local_rows]  # (local_rows, *shape[1:])
             if self.local_rows > 0 and original.device.type != "meta":
                 local.copy_(original.detach()[start : start + self.local_rows])
-            sharded = DTensor.from_local(
-                local,
-                self.mesh_info.mesh,
-                self.mesh_info.placements,
-                run_check=False,
-                shape=self.shape,
-                stride=_contiguous_stride(self.shape),
-            )
+            sharded = self._sharded_dtensor(local)
         self.sharded_param = nn.Parameter(sharded, requires_grad=self.requires_grad)
         # The local tensor the DTensor wraps; the zero-copy all-gather relies on it
         # still aliasing the sharded buffer (see `is_sharded_storage_aliased`).
@@ -134,7 +139,20 @@ class FSDPParam:
             (world_size * self.chunk_rows, *self.shape[1:]), dtype=self.dtype, device=device
         )  # (W * chunk_rows, *shape[1:])
         self._padded_unsharded = padded
-        self.unsharded_param = nn.Parameter(padded[: self.shape[0]], self.requires_grad)
+        unsharded = padded[: self.shape[0]]  # (*shape)
+        if self.layout.tp_mesh is not None:
+            # TP: the unsharded param is the original TP DTensor, so TP's module hooks
+            # and DTensor ops run on it unchanged.
+            with torch.no_grad():
+                unsharded = DTensor.from_local(
+                    unsharded,
+                    self.layout.tp_mesh,
+                    self.layout.tp_placements,
+                    run_check=False,
+                    shape=self.global_shape,
+                    stride=_contiguous_stride(self.global_shape),
+                )
+        self.unsharded_param = nn.Parameter(unsharded, self.requires_grad)
         free_storage(padded)
 
     # Runtime #
@@ -170,9 +188,20 @@ class FSDPParam:
         free_storage(self._padded_unsharded)
         self.sharded_state = ShardedState.SHARDED
 
+    def version_tracked(self) -> list[torch.Tensor]:
+        """The tensors autograd may have saved that copy-out writes into."""
+        return [self.unsharded_param, self._padded_unsharded]
+
     @property
     def unsharded_grad(self) -> torch.Tensor | None:
-        return self.unsharded_param.grad
+        """The unsharded grad as a plain tensor of ``shape`` (for TP: its local tensor,
+        after turning a Partial grad into the param's own placements)."""
+        grad = self.unsharded_param.grad
+        if grad is None or not isinstance(grad, DTensor):
+            return grad
+        if tuple(grad.placements) != self.layout.tp_placements:
+            grad = grad.redistribute(self.layout.tp_mesh, self.layout.tp_placements)
+        return grad.to_local()
 
     def clear_unsharded_grad(self) -> None:
         self.unsharded_param.grad = None
@@ -199,16 +228,19 @@ class FSDPParam:
         )  # (local_rows, *shape[1:])
         grad = self.sharded_param.grad
         if grad is None:
-            self.sharded_param.grad = DTensor.from_local(
-                local.to(self.dtype),
-                self.mesh_info.mesh,
-                self.mesh_info.placements,
-                run_check=False,
-                shape=self.shape,
-                stride=_contiguous_stride(self.shape),
-            )
+            self.sharded_param.grad = self._sharded_dtensor(local.to(self.dtype))
         else:
             grad.to_local().add_(local)
+
+    def _sharded_dtensor(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local,
+            self.layout.mesh,
+            self.layout.placements,
+            run_check=False,
+            shape=self.global_shape,
+            stride=_contiguous_stride(self.global_shape),
+        )
 
     def _register(self, tensor: nn.Parameter) -> None:
         # Write the module's parameter dict directly: `setattr` would run nn.Module's

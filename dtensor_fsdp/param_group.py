@@ -32,7 +32,7 @@ from .collectives import (
     reduce_scatter,
 )
 from .mesh import MeshInfo
-from .param import FSDPParam, ParamSlot, ShardedState
+from .param import FSDPParam, ParamToShard, ShardedState
 from .scheduler import CommContext
 from .trace import CommEvent, CommTrace, LifecycleEvent
 
@@ -61,7 +61,7 @@ class FSDPParamGroup:
 
     def __init__(
         self,
-        params: list[tuple[str, nn.Parameter, list[ParamSlot]]],
+        params: list[ParamToShard],
         modules: tuple[nn.Module, ...],
         mesh_info: MeshInfo,
         device: torch.device,
@@ -72,7 +72,7 @@ class FSDPParamGroup:
         """Shard ``params`` into a new sharded buffer; the modules are not touched yet.
 
         Args:
-            params: (fqn, original param, slots) of each parameter, in registration order.
+            params: each parameter as validated by fully_shard, in registration order.
             modules: the modules passed to ``fully_shard``.
             device: where the sharded buffer lives (``meta`` for meta-device params).
             reshard_after_forward: whether to free the unsharded params after forward.
@@ -106,19 +106,17 @@ class FSDPParamGroup:
 
     # Initialization #
 
-    def _shard(
-        self, params: list[tuple[str, nn.Parameter, list[ParamSlot]]], device: torch.device
-    ) -> list[FSDPParam]:
+    def _shard(self, params: list[ParamToShard], device: torch.device) -> list[FSDPParam]:
         world_size = self.mesh_info.shard_size
         # See [Note: sharded buffer] for why the layout is sorted by element size.
-        layout = sorted(params, key=lambda p: -p[1].dtype.itemsize)
-        sizes = [padded_shard_nbytes(p.shape, p.dtype, world_size) for _, p, _ in layout]
+        layout = sorted(params, key=lambda p: -p.data.dtype.itemsize)
+        sizes = [padded_shard_nbytes(p.data.shape, p.data.dtype, world_size) for p in layout]
         self.sharded_buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         self.split_nbytes = sizes
         fsdp_params, offset = [], 0
-        for (fqn, param, slots), size in zip(layout, sizes, strict=True):
+        for source, size in zip(layout, sizes, strict=True):
             segment = self.sharded_buffer[offset : offset + size]  # (padded_shard_nbytes,)
-            fsdp_params.append(FSDPParam(fqn, param, slots, self.mesh_info, segment))
+            fsdp_params.append(FSDPParam(source, self.mesh_info, segment))
             offset += size
         return fsdp_params
 
@@ -164,10 +162,8 @@ class FSDPParamGroup:
         with ExitStack() as stack:
             # Autograd saved these tensors in forward; refilling them in backward must
             # not look like an in-place change to its version check.
-            for fsdp_param in self.fsdp_params:
-                stack.enter_context(
-                    torch.autograd._unsafe_preserve_version_counter(fsdp_param.unsharded_param)
-                )
+            for tensor in (t for p in self.fsdp_params for t in p.version_tracked()):
+                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
             copy_out(
                 result.output,
                 world_size,
