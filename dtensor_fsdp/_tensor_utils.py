@@ -7,6 +7,7 @@ ones, which are shorter or empty. Internally every chunk is padded to the full
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -22,9 +23,51 @@ def local_rows(dim0: int, world_size: int, rank: int) -> int:
     return max(0, min(rows, dim0 - rank * rows))
 
 
-def padded_shard_nbytes(shape: torch.Size, dtype: torch.dtype, world_size: int) -> int:
-    """Bytes of one rank's padded chunk of a tensor of ``shape``."""
-    return chunk_rows(shape[0], world_size) * math.prod(shape[1:]) * dtype.itemsize
+@dataclass(frozen=True)
+class ShardGeometry:
+    """How a tensor of ``shape`` is split over ``world_size`` ranks along ``dim``.
+
+    Dim 0 follows ``torch.chunk`` and pads every chunk to ``ceil(dim0 / W)`` rows. Any
+    other dim must divide evenly (``fully_shard`` checks), so nothing is padded.
+    """
+
+    shape: torch.Size
+    dim: int
+    world_size: int
+    rank: int
+
+    @property
+    def padded_local_shape(self) -> torch.Size:
+        if self.dim == 0:
+            return torch.Size((chunk_rows(self.shape[0], self.world_size), *self.shape[1:]))
+        return self._with_dim(self.shape[self.dim] // self.world_size)
+
+    @property
+    def local_shape(self) -> torch.Size:
+        if self.dim == 0:
+            rows = local_rows(self.shape[0], self.world_size, self.rank)
+            return torch.Size((rows, *self.shape[1:]))
+        return self.padded_local_shape
+
+    @property
+    def padded_unsharded_shape(self) -> torch.Size:
+        """W padded chunks stacked along ``dim``: what the all-gather output becomes."""
+        local = self.padded_local_shape
+        return torch.Size((*local[: self.dim], self.world_size * local[self.dim], *local[self.dim + 1 :]))
+
+    @property
+    def padded_shard_numel(self) -> int:
+        return math.prod(self.padded_local_shape)
+
+    def local_chunk(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's (unpadded) chunk of ``tensor``, a view."""
+        if self.dim == 0:
+            start = self.rank * chunk_rows(self.shape[0], self.world_size)
+            return tensor[start : start + self.local_shape[0]]
+        return tensor.chunk(self.world_size, dim=self.dim)[self.rank]
+
+    def _with_dim(self, size: int) -> torch.Size:
+        return torch.Size((*self.shape[: self.dim], size, *self.shape[self.dim + 1 :]))
 
 
 def free_storage(tensor: torch.Tensor) -> None:

@@ -92,7 +92,8 @@ def fully_shard(
         reshard_after_forward: ``True`` frees the unsharded parameters after forward
             and all-gathers them again in backward; ``False`` keeps them until after
             backward; ``None`` means ``True``, except for the root, which keeps them.
-        shard_placement_fn: per-parameter placement override (not yet supported).
+        shard_placement_fn: maps a parameter to the ``Shard(dim)`` to shard it with, or
+            ``None`` for ``Shard(0)``; a dim other than 0 must divide evenly.
         mp_policy: mixed precision (not yet supported beyond the default).
         offload_policy: CPU offloading (not yet supported beyond the default).
         ignored_params: parameters to leave alone: not sharded, not moved, not reduced.
@@ -113,7 +114,7 @@ def fully_shard(
     mesh_info = mesh_info_for(mesh if mesh is not None else default_mesh())
     device = mesh_info.device
     ignored = set(ignored_params or ())
-    params = _collect_params(modules, ignored, mesh_info)
+    params = _collect_params(modules, ignored, mesh_info, shard_placement_fn)
     _validate_devices(params, device)
     buffers = _moved_buffers(modules, device)
     param_device = _param_device(params, device)
@@ -210,8 +211,8 @@ def _reject_unsupported(
         raise TypeError(
             f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}"
         )
-    if shard_placement_fn is not None:
-        raise NotImplementedError("shard_placement_fn is not implemented yet (issue 4)")
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}")
     if dp_mesh_dims is not None:
         raise NotImplementedError("dp_mesh_dims is not implemented yet (issue 4)")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
@@ -240,7 +241,10 @@ def _walk(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def _collect_params(
-    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], mesh_info: MeshInfo
+    modules: tuple[nn.Module, ...],
+    ignored: set[nn.Parameter],
+    mesh_info: MeshInfo,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
 ) -> list[ParamToShard]:
     """Each parameter this call manages, once, with every slot it is registered in."""
     found: dict[int, ParamToShard] = {}
@@ -251,14 +255,22 @@ def _collect_params(
                 if param is None or param in ignored:
                     continue
                 if id(param) not in found:
-                    found[id(param)] = _param_to_shard(root_name, f"{prefix}{name}", param, mesh_info)
+                    found[id(param)] = _param_to_shard(
+                        root_name, f"{prefix}{name}", param, mesh_info, shard_placement_fn
+                    )
                 found[id(param)].slots.append(ParamSlot(module, name))
     params = list(found.values())
     _validate_grad_dtypes(params)
     return params
 
 
-def _param_to_shard(root_name: str, fqn: str, param: nn.Parameter, mesh_info: MeshInfo) -> ParamToShard:
+def _param_to_shard(
+    root_name: str,
+    fqn: str,
+    param: nn.Parameter,
+    mesh_info: MeshInfo,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+) -> ParamToShard:
     sharded_as = getattr(param, _REPLACED_ATTR, None)
     if sharded_as is not None:
         raise ValueError(
@@ -267,17 +279,51 @@ def _param_to_shard(root_name: str, fqn: str, param: nn.Parameter, mesh_info: Me
             "in one group: call fully_shard on the modules' common ancestor only, or "
             "fully_shard([module_a, module_b])"
         )
-    try:
-        layout = spmd_layout(mesh_info, param, fqn)
-    except ValueError as error:
-        raise ValueError(f"fully_shard({root_name}): {error}") from None
-    source = ParamToShard(fqn, param, [], layout)
-    if source.data.dim() == 0:
+    data = param.to_local() if isinstance(param, DTensor) else param
+    if data.dim() == 0:
         raise ValueError(
             f"fully_shard({root_name}): parameter '{fqn}' is 0-dimensional and cannot be "
             "sharded on dim 0; pass it in ignored_params"
         )
-    return source
+    shard_dim = _shard_dim(root_name, fqn, data, mesh_info, shard_placement_fn, param)
+    try:
+        layout = spmd_layout(mesh_info, param, fqn, shard_dim)
+    except ValueError as error:
+        raise ValueError(f"fully_shard({root_name}): {error}") from None
+    return ParamToShard(fqn, param, [], layout, shard_dim)
+
+
+def _shard_dim(
+    root_name: str,
+    fqn: str,
+    data: torch.Tensor,
+    mesh_info: MeshInfo,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    param: nn.Parameter,
+) -> int:
+    """The dim ``shard_placement_fn`` picks for ``param`` (0 by default), validated."""
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
+        raise TypeError(
+            f"fully_shard({root_name}): shard_placement_fn returned {placement!r} for parameter "
+            f"'{fqn}'; return a Shard(dim) or None (a custom mesh per parameter is not supported)"
+        )
+    dim = placement.dim + data.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < data.dim():
+        raise ValueError(
+            f"fully_shard({root_name}): shard_placement_fn returned Shard({placement.dim}) for "
+            f"parameter '{fqn}' of {data.dim()} dims"
+        )
+    size, world_size = data.shape[dim], mesh_info.shard_size
+    if dim != 0 and size % world_size != 0:
+        raise ValueError(
+            f"fully_shard({root_name}): parameter '{fqn}' has size {size} on dim {dim}, which "
+            f"the shard world size {world_size} does not divide; Shard(dim != 0) needs an even "
+            "split. Return None from shard_placement_fn for it (Shard(0), padded if uneven)"
+        )
+    return dim
 
 
 def _validate_grad_dtypes(params: list[ParamToShard]) -> None:

@@ -106,10 +106,12 @@ class SpmdLayout:
     tp_placements: tuple[Placement, ...] | None = None
 
 
-def spmd_layout(mesh_info: MeshInfo, param: torch.Tensor, fqn: str) -> SpmdLayout:
-    """The layout of ``param`` under FSDP on ``mesh_info``, or a ValueError naming ``fqn``."""
+def spmd_layout(mesh_info: MeshInfo, param: torch.Tensor, fqn: str, shard_dim: int) -> SpmdLayout:
+    """The layout of ``param`` under FSDP on ``mesh_info``, sharded on ``shard_dim`` (of
+    the TP-local tensor for a TP param), or a ValueError naming ``fqn``."""
+    dp_placements = (*mesh_info.placements[:-1], Shard(shard_dim))
     if not isinstance(param, DTensor):
-        return SpmdLayout(mesh_info.mesh, mesh_info.placements)
+        return SpmdLayout(mesh_info.mesh, dp_placements)
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
     dp_mesh = mesh_info.mesh
     dp_names = set(dp_mesh.mesh_dim_names or ())
@@ -135,13 +137,16 @@ def spmd_layout(mesh_info: MeshInfo, param: torch.Tensor, fqn: str) -> SpmdLayou
             f"parameter '{fqn}' has placements {tp_placements}; fully_shard composes with "
             "Shard and Replicate tensor-parallel placements only"
         )
-    # FSDP shards the TP-local tensor on dim 0. If TP also shards dim 0, the data
-    # parallel chunks interleave with the TP ones: a strided shard, as torch does.
+    # FSDP shards the TP-local tensor. If TP also shards that dim, the data parallel
+    # chunks interleave with the TP ones: a strided shard, as torch does.
     split_factor = math.prod(
-        tp_mesh.size(axis) for axis, p in enumerate(tp_placements) if isinstance(p, Shard) and p.dim == 0
+        tp_mesh.size(axis)
+        for axis, p in enumerate(tp_placements)
+        if isinstance(p, Shard) and p.dim == shard_dim
     )
-    fsdp_placement = _StridedShard(0, split_factor=split_factor) if split_factor > 1 else Shard(0)
-    placements = (*mesh_info.placements[:-1], fsdp_placement, *tp_placements)
+    if split_factor > 1:
+        dp_placements = (*dp_placements[:-1], _StridedShard(shard_dim, split_factor=split_factor))
+    placements = (*dp_placements, *tp_placements)
     return SpmdLayout(root, placements, tp_mesh, tp_placements)
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ._tensor_utils import alloc_storage, chunk_rows, free_storage, local_rows
+from ._tensor_utils import ShardGeometry, alloc_storage, free_storage
 from .mesh import MeshInfo, SpmdLayout
 
 
@@ -51,6 +51,7 @@ class ParamToShard:
     original: nn.Parameter
     slots: list["ParamSlot"]
     layout: SpmdLayout
+    shard_dim: int = 0  # from shard_placement_fn; any dim but 0 divides evenly
 
     @property
     def data(self) -> torch.Tensor:
@@ -97,47 +98,49 @@ class FSDPParam:
         self.global_shape = source.original.shape
         self.dtype = original.dtype
         self.requires_grad = source.original.requires_grad
-        world_size, rank = mesh_info.shard_size, mesh_info.shard_rank
-        self.chunk_rows = chunk_rows(self.shape[0], world_size)
-        self.local_rows = local_rows(self.shape[0], world_size, rank)
-        self.row_numel = math.prod(self.shape[1:])
-        assert sharded_storage.numel() == self.padded_shard_nbytes
-        self._padded_shard = sharded_storage.view(self.dtype).view(
-            self.chunk_rows, *self.shape[1:]
-        )  # (chunk_rows, *shape[1:])
+        self.geometry = ShardGeometry(
+            self.shape, source.shard_dim, mesh_info.shard_size, mesh_info.shard_rank
+        )
         # HSDP with all-reduce off: this rank's shard-averaged grad chunk, summed over
         # micro-batches, awaiting the all-reduce over the replicate axis. 1-D, padded.
         self.partial_reduced_grad: torch.Tensor | None = None
-        self._init_sharded_param(original, rank)
-        self._init_unsharded_param(world_size)
+        # Shard(dim != 0) only: all-gather output columns staged for the rearrangement.
+        self._copy_out_staging: torch.Tensor | None = None
+        assert sharded_storage.numel() == self.padded_shard_nbytes
+        self._padded_shard = sharded_storage.view(self.dtype).view(self.geometry.padded_local_shape)
+        self._init_sharded_param(original)
+        self._init_unsharded_param()
         self.sharded_state = ShardedState.SHARDED
 
     @property
+    def padded_shard_numel(self) -> int:
+        return self.geometry.padded_shard_numel
+
+    @property
     def padded_shard_nbytes(self) -> int:
-        return self.chunk_rows * self.row_numel * self.dtype.itemsize
+        return self.geometry.padded_shard_numel * self.dtype.itemsize
 
     # Initialization #
 
-    def _init_sharded_param(self, original: nn.Parameter, rank: int) -> None:
-        start = rank * self.chunk_rows
+    def _init_sharded_param(self, original: torch.Tensor) -> None:
         with torch.no_grad():
             # The padding rows must be zero: they are all-gathered and, for gradients,
             # reduce-scattered, so garbage there could surface as NaN/Inf in norms.
             self._padded_shard.zero_()
-            local = self._padded_shard[: self.local_rows]  # (local_rows, *shape[1:])
-            if self.local_rows > 0 and original.device.type != "meta":
-                local.copy_(original.detach()[start : start + self.local_rows])
+            # Padding is only ever on dim 0, after the rows this rank owns.
+            local = self._padded_shard[: self.geometry.local_shape[0]]  # (*local_shape)
+            if local.numel() > 0 and original.device.type != "meta":
+                local.copy_(self.geometry.local_chunk(original.detach()))
             sharded = self._sharded_dtensor(local)
         self.sharded_param = nn.Parameter(sharded, requires_grad=self.requires_grad)
         # The local tensor the DTensor wraps; the zero-copy all-gather relies on it
         # still aliasing the sharded buffer (see `is_sharded_storage_aliased`).
         self._sharded_local = local
 
-    def _init_unsharded_param(self, world_size: int) -> None:
-        device = self._padded_shard.device
+    def _init_unsharded_param(self) -> None:
         padded = torch.empty(
-            (world_size * self.chunk_rows, *self.shape[1:]), dtype=self.dtype, device=device
-        )  # (W * chunk_rows, *shape[1:])
+            self.geometry.padded_unsharded_shape, dtype=self.dtype, device=self._padded_shard.device
+        )  # (*padded_unsharded_shape): W padded chunks along the shard dim
         self._padded_unsharded = padded
         unsharded = padded[: self.shape[0]]  # (*shape)
         if self.layout.tp_mesh is not None:
@@ -171,10 +174,35 @@ class FSDPParam:
         with torch.no_grad():
             self._sharded_local.copy_(self.sharded_param.to_local())
 
-    def all_gather_output_view(self, world_size: int) -> torch.Tensor:
-        """The padded unsharded buffer as ``(W, padded_shard_nbytes)`` uint8: where this
-        parameter's column of the all-gather output is copied out to."""
+    def unsharded_rows(self, world_size: int) -> torch.Tensor:
+        """The padded unsharded buffer as ``(world_size, -1)`` uint8 rows.
+
+        For dim-0 sharding row r is exactly rank r's padded chunk; hpZ also uses these
+        rows (with world_size = k) for whatever dim, since it only needs *some* split
+        of the buffer that it reassembles the same way.
+        """
         return self._padded_unsharded.view(torch.uint8).view(world_size, -1)
+
+    def copy_out_target(self, world_size: int, is_post_forward: bool) -> torch.Tensor:
+        """Where this parameter's ``(world_size, bytes)`` column of the all-gather output
+        goes: the unsharded rows, or for a full all-gather of a Shard(dim != 0) param a
+        staging buffer that `finish_copy_out` rearranges along the shard dim."""
+        if self.geometry.dim == 0 or is_post_forward:
+            return self.unsharded_rows(world_size)
+        self._copy_out_staging = torch.empty(
+            (world_size, self.padded_shard_nbytes), dtype=torch.uint8, device=self._padded_shard.device
+        )
+        return self._copy_out_staging
+
+    def finish_copy_out(self) -> None:
+        staged, self._copy_out_staging = self._copy_out_staging, None
+        if staged is None:
+            return
+        dim, world_size = self.geometry.dim, self.geometry.world_size
+        chunks = staged.view(self.dtype).view(world_size, *self.geometry.padded_local_shape)
+        # (*shape[:dim], W, shape[dim] / W, *shape[dim + 1:]): concatenation along dim.
+        target = self._padded_unsharded.unflatten(dim, (world_size, -1))
+        target.copy_(chunks.movedim(0, dim))
 
     def alloc_unsharded(self) -> None:
         alloc_storage(self._padded_unsharded, self._padded_unsharded.numel() * self.dtype.itemsize)
@@ -203,12 +231,20 @@ class FSDPParam:
             grad = grad.redistribute(self.layout.tp_mesh, self.layout.tp_placements)
         return grad.to_local()
 
+    def grad_to_reduce(self) -> torch.Tensor | None:
+        """The unsharded grad arranged so that its dim-0 chunks are the ranks' shards.
+
+        Shard(dim != 0): (W, *shape[:dim], shape[dim] / W, *shape[dim + 1:]), a view.
+        """
+        grad = self.unsharded_grad
+        if grad is None or self.geometry.dim == 0:
+            return grad
+        return grad.unflatten(self.geometry.dim, (self.geometry.world_size, -1)).movedim(
+            self.geometry.dim, 0
+        )
+
     def clear_unsharded_grad(self) -> None:
         self.unsharded_param.grad = None
-
-    @property
-    def padded_shard_numel(self) -> int:
-        return self.chunk_rows * self.row_numel
 
     def accumulate_partial_grad(self, reduced: torch.Tensor) -> None:
         """Hold a reduce-scattered chunk until the replicate all-reduce (HSDP)."""
@@ -223,9 +259,8 @@ class FSDPParam:
         Args:
             reduced: 1-D, this parameter's padded segment of the reduce-scatter output.
         """
-        local = reduced[: self.local_rows * self.row_numel].view(
-            self.local_rows, *self.shape[1:]
-        )  # (local_rows, *shape[1:])
+        local_shape = self.geometry.local_shape
+        local = reduced[: math.prod(local_shape)].view(local_shape)  # (*local_shape)
         grad = self.sharded_param.grad
         if grad is None:
             self.sharded_param.grad = self._sharded_dtensor(local.to(self.dtype))

@@ -20,7 +20,7 @@ from enum import Enum, auto
 import torch
 import torch.nn as nn
 
-from ._tensor_utils import padded_shard_nbytes
+from ._tensor_utils import ShardGeometry
 from .collectives import (
     AllGatherResult,
     ReduceScatterPlan,
@@ -110,7 +110,12 @@ class FSDPParamGroup:
         world_size = self.mesh_info.shard_size
         # See [Note: sharded buffer] for why the layout is sorted by element size.
         layout = sorted(params, key=lambda p: -p.data.dtype.itemsize)
-        sizes = [padded_shard_nbytes(p.data.shape, p.data.dtype, world_size) for p in layout]
+        rank = self.mesh_info.shard_rank
+        sizes = [
+            ShardGeometry(p.data.shape, p.shard_dim, world_size, rank).padded_shard_numel
+            * p.data.dtype.itemsize
+            for p in layout
+        ]
         self.sharded_buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         self.split_nbytes = sizes
         fsdp_params, offset = [], 0
@@ -164,12 +169,15 @@ class FSDPParamGroup:
             # not look like an in-place change to its version check.
             for tensor in (t for p in self.fsdp_params for t in p.version_tracked()):
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
+            is_post_forward = source.mesh_info is not self.mesh_info
             copy_out(
                 result.output,
                 world_size,
                 source.split_nbytes,
-                [p.all_gather_output_view(world_size) for p in self.fsdp_params],
+                [p.copy_out_target(world_size, is_post_forward) for p in self.fsdp_params],
             )
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.finish_copy_out()
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -217,7 +225,7 @@ class FSDPParamGroup:
         if self.sharded_state != ShardedState.UNSHARDED:
             return
         k, j = post_forward.shard_size, post_forward.shard_rank
-        kept = [p.all_gather_output_view(k)[j] for p in self.fsdp_params]  # each (W/k * bytes,)
+        kept = [p.unsharded_rows(k)[j] for p in self.fsdp_params]  # each (W/k * bytes,)
         self._post_forward_buffer = torch.cat(kept)  # (W/k * shard_nbytes,) uint8
         self._record("reshard_post_forward")
         for fsdp_param in self.fsdp_params:
@@ -300,10 +308,12 @@ class FSDPParamGroup:
         return result
 
     def _reduce_scatter_grads(self) -> None:
-        with_grad = [p for p in self.fsdp_params if p.unsharded_grad is not None]
-        if not with_grad:
+        # One call each: for TP, turning a Partial grad into its placements communicates.
+        to_reduce = [(p, p.grad_to_reduce()) for p in self.fsdp_params]
+        with_grad = [p for p, grad in to_reduce if grad is not None]
+        grads = [grad for _, grad in to_reduce if grad is not None]
+        if not grads:
             return
-        grads = [p.unsharded_grad for p in with_grad]
         issued_s = time.perf_counter()
         result = reduce_scatter(
             grads, grads[0].dtype, self.mesh_info.shard_group, self.reduce_scatter_plan, async_op=True

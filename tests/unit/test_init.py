@@ -109,3 +109,21 @@ def test_unsharded_storage_is_freed_at_init() -> None:
         fully_shard(model, mesh=mesh)
         for fsdp_param in model._get_fsdp_state().group.fsdp_params:
             assert fsdp_param.unsharded_param.untyped_storage().size() == 0
+
+
+@pytest.mark.parametrize("world_size,rank", [(2, 1), (4, 3)])
+def test_shard_placement_fn_shards_the_chosen_dim(world_size: int, rank: int) -> None:
+    model = nn.Sequential(nn.Linear(8, 5), nn.Linear(5, 3))
+    original = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        return Shard(-1) if param.dim() == 2 and param.shape[-1] % world_size == 0 else None
+
+    with fake_mesh(world_size, rank) as mesh:
+        fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+        assert model[0].weight.placements == (Shard(1),)  # 8 columns divide evenly
+        torch.testing.assert_close(
+            model[0].weight.to_local(), original["0.weight"].chunk(world_size, dim=1)[rank]
+        )
+        assert model[1].weight.placements == (Shard(0),)  # 5 columns do not: default
+        assert model[0].bias.placements == (Shard(0),)

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from dtensor_fsdp._tensor_utils import (
+    ShardGeometry,
     alloc_storage,
     chunk_rows,
     free_storage,
     is_storage_freed,
     local_rows,
-    padded_shard_nbytes,
 )
 
 
@@ -23,10 +23,22 @@ def test_local_rows_match_torch_chunk(dim0: int, world_size: int) -> None:
     assert chunk_rows(dim0, world_size) == max(expected)
 
 
-def test_padded_shard_nbytes() -> None:
-    # 13 rows over 4 ranks: chunks of 4 rows (4, 4, 4, 1), each padded to 4 rows of 3 fp32.
-    assert padded_shard_nbytes(torch.Size([13, 3]), torch.float32, 4) == 4 * 3 * 4
-    assert padded_shard_nbytes(torch.Size([3]), torch.bfloat16, 8) == 1 * 2
+def test_dim0_geometry_pads_to_full_chunks() -> None:
+    # 13 rows over 4 ranks: chunks of 4 rows (4, 4, 4, 1), each padded to 4 rows.
+    last = ShardGeometry(torch.Size([13, 3]), 0, 4, 3)
+    assert last.padded_local_shape == (4, 3) and last.local_shape == (1, 3)
+    assert last.padded_unsharded_shape == (16, 3) and last.padded_shard_numel == 12
+    tensor = torch.arange(39).view(13, 3)
+    torch.testing.assert_close(last.local_chunk(tensor), tensor.chunk(4)[3])
+    assert ShardGeometry(torch.Size([3]), 0, 8, 5).local_shape == (0,)
+
+
+def test_other_dim_geometry_is_an_even_split() -> None:
+    geometry = ShardGeometry(torch.Size([3, 8, 2]), 1, 4, 2)
+    assert geometry.padded_local_shape == geometry.local_shape == (3, 2, 2)
+    assert geometry.padded_unsharded_shape == (3, 8, 2)
+    tensor = torch.arange(48).view(3, 8, 2)
+    torch.testing.assert_close(geometry.local_chunk(tensor), tensor.chunk(4, dim=1)[2])
 
 
 def test_free_and_alloc_storage_keep_the_tensor_object() -> None:
