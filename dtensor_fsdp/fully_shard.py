@@ -29,6 +29,7 @@ from .mesh import (
     mesh_info_for,
     post_forward_mesh_info,
     spmd_layout,
+    spmd_mesh_info,
     validate_post_forward_size,
 )
 from .param import ParamSlot, ParamToShard
@@ -97,7 +98,9 @@ def fully_shard(
         mp_policy: mixed precision (not yet supported beyond the default).
         offload_policy: CPU offloading (not yet supported beyond the default).
         ignored_params: parameters to leave alone: not sharded, not moved, not reduced.
-        dp_mesh_dims: data-parallel axes of a full SPMD mesh (not yet supported).
+        dp_mesh_dims: with it, ``mesh`` is the full SPMD mesh, every parameter a DTensor
+            on it with ``Replicate()`` on the named data-parallel axes; FSDP shards over
+            ``shard`` (and for HSDP replicates over ``replicate``). One axis name each.
 
     Returns:
         ``module``, now also an instance of ``FSDPModule`` (a list, for a list).
@@ -110,8 +113,8 @@ def fully_shard(
         NotImplementedError: an argument needs a capability not built yet.
     """
     modules = _validate_modules(module)
-    _reject_unsupported(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, dp_mesh_dims)
-    mesh_info = mesh_info_for(mesh if mesh is not None else default_mesh())
+    _reject_unsupported(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
+    mesh_info = _mesh_info(mesh, dp_mesh_dims)
     device = mesh_info.device
     ignored = set(ignored_params or ())
     params = _collect_params(modules, ignored, mesh_info, shard_placement_fn)
@@ -160,6 +163,14 @@ _REPLACED_ATTR = "_dtensor_fsdp_sharded_as"
 # Validation #
 
 
+def _mesh_info(mesh: DeviceMesh | None, dp_mesh_dims: DataParallelMeshDims | None) -> MeshInfo:
+    if dp_mesh_dims is None:
+        return mesh_info_for(mesh if mesh is not None else default_mesh())
+    if mesh is None:
+        raise ValueError("dp_mesh_dims names axes of the mesh argument: pass the full SPMD mesh")
+    return spmd_mesh_info(mesh, dp_mesh_dims)
+
+
 def _reshards_after_forward(reshard_after_forward: bool | int | None) -> bool:
     if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
         return reshard_after_forward is not False
@@ -205,7 +216,6 @@ def _reject_unsupported(
     shard_placement_fn: Any,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
-    dp_mesh_dims: Any,
 ) -> None:
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
         raise TypeError(
@@ -213,8 +223,6 @@ def _reject_unsupported(
         )
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}")
-    if dp_mesh_dims is not None:
-        raise NotImplementedError("dp_mesh_dims is not implemented yet (issue 4)")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if mp_policy.is_enabled:

@@ -10,6 +10,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .api import DataParallelMeshDims
+
 
 @dataclass(frozen=True)
 class MeshInfo:
@@ -22,6 +24,10 @@ class MeshInfo:
     mesh: DeviceMesh
     shard_axis: int
     replicate_axis: int | None = None
+    # dp_mesh_dims: the full SPMD mesh the parameters live on, and the axes of it that
+    # are data parallel (shard axis first). None: the mesh above is all there is.
+    spmd_mesh: DeviceMesh | None = None
+    spmd_dp_axes: tuple[int, ...] = ()
 
     @property
     def shard_group(self) -> dist.ProcessGroup:
@@ -96,23 +102,98 @@ class SpmdLayout:
     ``mesh``/``placements`` describe the sharded param: the data-parallel mesh for a
     plain parameter; for a tensor-parallel one (a DTensor on a TP mesh), the root mesh
     of which both the data-parallel and the TP mesh are sub-meshes, with FSDP's shard
-    placement in front of the TP placements. ``tp_mesh``/``tp_placements`` describe
-    the unsharded param, which for TP is again the original TP DTensor.
+    placement in front of the TP placements. ``unsharded_mesh``/``unsharded_placements``
+    describe the unsharded param, which for a DTensor param is again the original
+    DTensor; ``unsharded_dp_axes`` are its data-parallel axes (``dp_mesh_dims`` only),
+    on which gradients are left as they are for the reduce-scatter to combine.
     """
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
-    tp_mesh: DeviceMesh | None = None
-    tp_placements: tuple[Placement, ...] | None = None
+    unsharded_mesh: DeviceMesh | None = None
+    unsharded_placements: tuple[Placement, ...] | None = None
+    unsharded_dp_axes: frozenset[int] = frozenset()
+
+
+def spmd_mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims) -> MeshInfo:
+    """MeshInfo for ``fully_shard(mesh=full_mesh, dp_mesh_dims=...)``: shard (and for
+    HSDP replicate) over the named axes of the full SPMD mesh."""
+    if not isinstance(dp_mesh_dims, DataParallelMeshDims):
+        raise TypeError(f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dp_mesh_dims).__name__}")
+    names = mesh.mesh_dim_names
+    shard, replicate = _one_name(dp_mesh_dims.shard, "shard"), _one_name(dp_mesh_dims.replicate, "replicate")
+    if shard is None:
+        raise NotImplementedError("dp_mesh_dims without a shard axis (pure replication, DDP) is not supported")
+    missing = [n for n in (shard, replicate) if n is not None and n not in (names or ())]
+    if missing:
+        raise ValueError(f"dp_mesh_dims names {missing}, which mesh {mesh} (dims {names}) does not have")
+    assert names is not None
+    dp_names = (shard,) if replicate is None else (replicate, shard)
+    dp_info = mesh_info_for(mesh[dp_names])
+    return MeshInfo(
+        mesh=dp_info.mesh,
+        shard_axis=dp_info.shard_axis,
+        replicate_axis=dp_info.replicate_axis,
+        spmd_mesh=mesh,
+        spmd_dp_axes=tuple(names.index(n) for n in (shard, replicate) if n is not None),
+    )
+
+
+def _one_name(names: str | tuple[str, ...] | None, role: str) -> str | None:
+    if names is None or isinstance(names, str):
+        return names
+    if len(names) == 1:
+        return names[0]
+    raise NotImplementedError(
+        f"dp_mesh_dims.{role}={names}: flattening several mesh axes into one {role} axis is "
+        "not supported; name one axis (flatten the mesh yourself)"
+    )
+
+
+def _spmd_dims_layout(mesh_info: MeshInfo, param: torch.Tensor, fqn: str, shard_dim: int) -> SpmdLayout:
+    """dp_mesh_dims: ``param`` is a DTensor on the full mesh, Replicate on the DP axes."""
+    spmd_mesh = mesh_info.spmd_mesh
+    if not isinstance(param, DTensor) or param.device_mesh != spmd_mesh:
+        where = f"a DTensor on {param.device_mesh}" if isinstance(param, DTensor) else "a plain tensor"
+        raise ValueError(
+            f"parameter '{fqn}' is {where}; with dp_mesh_dims every parameter must be a DTensor "
+            f"on the mesh passed to fully_shard ({spmd_mesh}), e.g. via distribute_module"
+        )
+    placements = list(param.placements)
+    for axis in mesh_info.spmd_dp_axes:
+        if not isinstance(placements[axis], Replicate):
+            raise ValueError(
+                f"parameter '{fqn}' has {placements[axis]} on data-parallel mesh axis "
+                f"{axis}; expected Replicate() there (was it sharded by fully_shard already?)"
+            )
+    shard_axis = mesh_info.spmd_dp_axes[0]
+    # The DP chunks interleave with any shards of the same dim on axes to the right.
+    split_factor = math.prod(
+        spmd_mesh.size(axis)
+        for axis in range(shard_axis + 1, spmd_mesh.ndim)
+        if isinstance(placements[axis], Shard) and placements[axis].dim == shard_dim
+    )
+    placements[shard_axis] = (
+        _StridedShard(shard_dim, split_factor=split_factor) if split_factor > 1 else Shard(shard_dim)
+    )
+    return SpmdLayout(
+        spmd_mesh,
+        tuple(placements),
+        spmd_mesh,
+        tuple(param.placements),
+        frozenset(mesh_info.spmd_dp_axes),
+    )
 
 
 def spmd_layout(mesh_info: MeshInfo, param: torch.Tensor, fqn: str, shard_dim: int) -> SpmdLayout:
     """The layout of ``param`` under FSDP on ``mesh_info``, sharded on ``shard_dim`` (of
     the TP-local tensor for a TP param), or a ValueError naming ``fqn``."""
+    if mesh_info.spmd_mesh is not None:
+        return _spmd_dims_layout(mesh_info, param, fqn, shard_dim)
     dp_placements = (*mesh_info.placements[:-1], Shard(shard_dim))
     if not isinstance(param, DTensor):
         return SpmdLayout(mesh_info.mesh, dp_placements)
-    tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
+    tp_mesh, unsharded_placements = param.device_mesh, tuple(param.placements)
     dp_mesh = mesh_info.mesh
     dp_names = set(dp_mesh.mesh_dim_names or ())
     if tp_mesh == dp_mesh or dp_names & set(tp_mesh.mesh_dim_names or ()):
@@ -132,22 +213,22 @@ def spmd_layout(mesh_info: MeshInfo, param: torch.Tensor, fqn: str, shard_dim: i
             "Build one mesh, e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', "
             "'tp')), parallelize the model on mesh['tp'] and pass mesh['dp'] to fully_shard"
         )
-    if not all(isinstance(p, (Shard, Replicate)) for p in tp_placements):
+    if not all(isinstance(p, (Shard, Replicate)) for p in unsharded_placements):
         raise ValueError(
-            f"parameter '{fqn}' has placements {tp_placements}; fully_shard composes with "
+            f"parameter '{fqn}' has placements {unsharded_placements}; fully_shard composes with "
             "Shard and Replicate tensor-parallel placements only"
         )
     # FSDP shards the TP-local tensor. If TP also shards that dim, the data parallel
     # chunks interleave with the TP ones: a strided shard, as torch does.
     split_factor = math.prod(
         tp_mesh.size(axis)
-        for axis, p in enumerate(tp_placements)
+        for axis, p in enumerate(unsharded_placements)
         if isinstance(p, Shard) and p.dim == shard_dim
     )
     if split_factor > 1:
         dp_placements = (*dp_placements[:-1], _StridedShard(shard_dim, split_factor=split_factor))
-    placements = (*dp_placements, *tp_placements)
-    return SpmdLayout(root, placements, tp_mesh, tp_placements)
+    placements = (*dp_placements, *unsharded_placements)
+    return SpmdLayout(root, placements, tp_mesh, unsharded_placements)
 
 
 def validate_post_forward_size(mesh_info: MeshInfo, size: int) -> None:

@@ -143,14 +143,14 @@ class FSDPParam:
         )  # (*padded_unsharded_shape): W padded chunks along the shard dim
         self._padded_unsharded = padded
         unsharded = padded[: self.shape[0]]  # (*shape)
-        if self.layout.tp_mesh is not None:
+        if self.layout.unsharded_mesh is not None:
             # TP: the unsharded param is the original TP DTensor, so TP's module hooks
             # and DTensor ops run on it unchanged.
             with torch.no_grad():
                 unsharded = DTensor.from_local(
                     unsharded,
-                    self.layout.tp_mesh,
-                    self.layout.tp_placements,
+                    self.layout.unsharded_mesh,
+                    self.layout.unsharded_placements,
                     run_check=False,
                     shape=self.global_shape,
                     stride=_contiguous_stride(self.global_shape),
@@ -227,8 +227,15 @@ class FSDPParam:
         grad = self.unsharded_param.grad
         if grad is None or not isinstance(grad, DTensor):
             return grad
-        if tuple(grad.placements) != self.layout.tp_placements:
-            grad = grad.redistribute(self.layout.tp_mesh, self.layout.tp_placements)
+        # Data-parallel axes (dp_mesh_dims) keep their placement, Partial included: the
+        # reduce-scatter combines them. Every other axis gets the param's placement.
+        assert self.layout.unsharded_placements is not None
+        target = tuple(
+            grad.placements[axis] if axis in self.layout.unsharded_dp_axes else placement
+            for axis, placement in enumerate(self.layout.unsharded_placements)
+        )
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(self.layout.unsharded_mesh, target)
         return grad.to_local()
 
     def grad_to_reduce(self) -> torch.Tensor | None:

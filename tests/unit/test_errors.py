@@ -129,7 +129,6 @@ def test_trainable_parameters_of_different_dtypes_in_one_group() -> None:
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"dp_mesh_dims": DataParallelMeshDims(shard="dp")}, "issue 4"),
         ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}, "issue 5"),
         ({"offload_policy": CPUOffloadPolicy()}, "issue 5"),
     ],
@@ -186,4 +185,27 @@ def test_parameter_shared_between_sibling_groups() -> None:
         _assert_rejected(  # model[1] cannot see model[0]: they are siblings
             model, lambda: fully_shard(model[1], mesh=mesh), ValueError,
             "parameter 'weight' is shared with a module.*'weight of Linear'.*fully_shard\\(\\[module_a",
+        )
+
+
+def test_dp_mesh_dims_needs_dtensor_params_on_the_full_mesh() -> None:
+    model = _mlp()
+    with fake_mesh(4):
+        mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+        _assert_rejected(
+            model, lambda: fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")),
+            ValueError, "parameter '0.weight' is a plain tensor; with dp_mesh_dims every parameter must be a DTensor",
+        )
+        _assert_rejected(
+            model, lambda: fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp")),
+            ValueError, "dp_mesh_dims names \\['fsdp'\\], which mesh",
+        )
+        _assert_rejected(
+            model, lambda: fully_shard(model, dp_mesh_dims=DataParallelMeshDims(shard="dp")),
+            ValueError, "pass the full SPMD mesh",
+        )
+        _assert_rejected(
+            model,
+            lambda: fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=("dp", "tp"))),
+            NotImplementedError, "flattening several mesh axes",
         )
