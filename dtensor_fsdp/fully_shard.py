@@ -32,7 +32,7 @@ from .mesh import (
     spmd_mesh_info,
     validate_post_forward_size,
 )
-from .param import ParamSlot, ParamToShard
+from .param import ParamSlot, ParamToShard, mp_dtypes
 from .param_group import FSDPParamGroup
 from .state import STATE_ATTR, FSDPState, assign_fqns, state_of
 from .trace import CommTrace
@@ -95,7 +95,9 @@ def fully_shard(
             backward; ``None`` means ``True``, except for the root, which keeps them.
         shard_placement_fn: maps a parameter to the ``Shard(dim)`` to shard it with, or
             ``None`` for ``Shard(0)``; a dim other than 0 must divide evenly.
-        mp_policy: mixed precision (not yet supported beyond the default).
+        mp_policy: mixed precision: all-gather and compute in ``param_dtype`` (the cast
+            happens on the shard, before the all-gather), reduce in ``reduce_dtype``;
+            the sharded params and grads the optimizer sees keep the original dtype.
         offload_policy: CPU offloading (not yet supported beyond the default).
         ignored_params: parameters to leave alone: not sharded, not moved, not reduced.
         dp_mesh_dims: with it, ``mesh`` is the full SPMD mesh, every parameter a DTensor
@@ -118,6 +120,7 @@ def fully_shard(
     device = mesh_info.device
     ignored = set(ignored_params or ())
     params = _collect_params(modules, ignored, mesh_info, shard_placement_fn)
+    _validate_reduce_dtypes(params, mp_policy)
     _validate_devices(params, device)
     buffers = _moved_buffers(modules, device)
     param_device = _param_device(params, device)
@@ -132,6 +135,7 @@ def fully_shard(
             param_device,
             reshard_after_forward=_reshards_after_forward(reshard_after_forward),
             fqn="",
+            mp_policy=mp_policy,
             post_forward_mesh_info=(
                 post_forward_mesh_info(mesh_info, reshard_after_forward) if is_hpz else None
             ),
@@ -139,7 +143,9 @@ def fully_shard(
         if params
         else None
     )
-    state = FSDPState(modules, group, auto_reshard_after_forward=reshard_after_forward is None)
+    state = FSDPState(
+        modules, group, auto_reshard_after_forward=reshard_after_forward is None, mp_policy=mp_policy
+    )
     if group is not None:
         group.to_sharded_modules()
         for source in params:
@@ -225,8 +231,10 @@ def _reject_unsupported(
         raise TypeError(f"shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if mp_policy.is_enabled:
-        raise NotImplementedError(f"mixed precision ({mp_policy}) is not implemented yet (issue 5)")
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, field)
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"MixedPrecisionPolicy.{field} must be a floating-point dtype, got {dtype}")
     if isinstance(offload_policy, CPUOffloadPolicy):
         raise NotImplementedError("CPUOffloadPolicy is not implemented yet (issue 5)")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -267,9 +275,7 @@ def _collect_params(
                         root_name, f"{prefix}{name}", param, mesh_info, shard_placement_fn
                     )
                 found[id(param)].slots.append(ParamSlot(module, name))
-    params = list(found.values())
-    _validate_grad_dtypes(params)
-    return params
+    return list(found.values())
 
 
 def _param_to_shard(
@@ -334,14 +340,15 @@ def _shard_dim(
     return dim
 
 
-def _validate_grad_dtypes(params: list[ParamToShard]) -> None:
+def _validate_reduce_dtypes(params: list[ParamToShard], mp_policy: MixedPrecisionPolicy) -> None:
     # One reduce-scatter per group needs one gradient dtype.
-    dtypes = {p.data.dtype: p.fqn for p in params if p.original.requires_grad}
+    dtypes = {mp_dtypes(mp_policy, p.data.dtype)[1]: p.fqn for p in params if p.original.requires_grad}
     if len(dtypes) > 1:
         named = ", ".join(f"'{fqn}' ({dtype})" for dtype, fqn in dtypes.items())
         raise NotImplementedError(
             f"fully_shard: trainable parameters of one group have different dtypes: {named}. "
-            "Shard them in separate fully_shard calls, or cast the module to one dtype"
+            "Shard them in separate fully_shard calls, cast the module to one dtype, or set "
+            "MixedPrecisionPolicy(reduce_dtype=...)"
         )
 
 

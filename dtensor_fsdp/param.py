@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ._tensor_utils import ShardGeometry, alloc_storage, free_storage
+from .api import MixedPrecisionPolicy
 from .mesh import MeshInfo, SpmdLayout
 
 
@@ -78,13 +79,18 @@ class FSDPParam:
     """
 
     def __init__(
-        self, source: ParamToShard, mesh_info: MeshInfo, sharded_storage: torch.Tensor
+        self,
+        source: ParamToShard,
+        mesh_info: MeshInfo,
+        sharded_storage: torch.Tensor,
+        mp_policy: MixedPrecisionPolicy,
     ) -> None:
         """Shard ``source.original`` into ``sharded_storage``.
 
         Args:
             source: the original param (only read), its name, slots and layout.
             mesh_info: the data-parallel mesh.
+            mp_policy: decides the unsharded (all-gather, compute) and reduce dtypes.
             sharded_storage: this parameter's segment of the group's sharded buffer,
                 1-D uint8 of exactly ``padded_shard_nbytes`` bytes, on the target device.
         """
@@ -97,6 +103,7 @@ class FSDPParam:
         self.shape = original.shape
         self.global_shape = source.original.shape
         self.dtype = original.dtype
+        self.param_dtype, self.reduce_dtype = mp_dtypes(mp_policy, self.dtype)
         self.requires_grad = source.original.requires_grad
         self.geometry = ShardGeometry(
             self.shape, source.shard_dim, mesh_info.shard_size, mesh_info.shard_rank
@@ -106,6 +113,9 @@ class FSDPParam:
         self.partial_reduced_grad: torch.Tensor | None = None
         # Shard(dim != 0) only: all-gather output columns staged for the rearrangement.
         self._copy_out_staging: torch.Tensor | None = None
+        # Gradient accumulation without sync when reduce_dtype != param_dtype: the
+        # unsharded grads summed in reduce_dtype, so low precision does not accumulate.
+        self._accumulated_grad: torch.Tensor | None = None
         assert sharded_storage.numel() == self.padded_shard_nbytes
         self._padded_shard = sharded_storage.view(self.dtype).view(self.geometry.padded_local_shape)
         self._init_sharded_param(original)
@@ -119,6 +129,19 @@ class FSDPParam:
     @property
     def padded_shard_nbytes(self) -> int:
         return self.geometry.padded_shard_numel * self.dtype.itemsize
+
+    @property
+    def all_gather_nbytes(self) -> int:
+        """Bytes this parameter contributes per rank to the all-gather (param_dtype)."""
+        return self.geometry.padded_shard_numel * self.param_dtype.itemsize
+
+    def all_gather_input_view(self, segment: torch.Tensor) -> torch.Tensor:
+        """``segment`` (uint8, ``all_gather_nbytes``) as a padded shard of param_dtype."""
+        return segment.view(self.param_dtype).view(self.geometry.padded_local_shape)
+
+    @property
+    def padded_shard(self) -> torch.Tensor:
+        return self._padded_shard
 
     # Initialization #
 
@@ -139,7 +162,9 @@ class FSDPParam:
 
     def _init_unsharded_param(self) -> None:
         padded = torch.empty(
-            self.geometry.padded_unsharded_shape, dtype=self.dtype, device=self._padded_shard.device
+            self.geometry.padded_unsharded_shape,
+            dtype=self.param_dtype,
+            device=self._padded_shard.device,
         )  # (*padded_unsharded_shape): W padded chunks along the shard dim
         self._padded_unsharded = padded
         unsharded = padded[: self.shape[0]]  # (*shape)
@@ -190,7 +215,7 @@ class FSDPParam:
         if self.geometry.dim == 0 or is_post_forward:
             return self.unsharded_rows(world_size)
         self._copy_out_staging = torch.empty(
-            (world_size, self.padded_shard_nbytes), dtype=torch.uint8, device=self._padded_shard.device
+            (world_size, self.all_gather_nbytes), dtype=torch.uint8, device=self._padded_shard.device
         )
         return self._copy_out_staging
 
@@ -199,13 +224,13 @@ class FSDPParam:
         if staged is None:
             return
         dim, world_size = self.geometry.dim, self.geometry.world_size
-        chunks = staged.view(self.dtype).view(world_size, *self.geometry.padded_local_shape)
+        chunks = staged.view(self.param_dtype).view(world_size, *self.geometry.padded_local_shape)
         # (*shape[:dim], W, shape[dim] / W, *shape[dim + 1:]): concatenation along dim.
         target = self._padded_unsharded.unflatten(dim, (world_size, -1))
         target.copy_(chunks.movedim(0, dim))
 
     def alloc_unsharded(self) -> None:
-        alloc_storage(self._padded_unsharded, self._padded_unsharded.numel() * self.dtype.itemsize)
+        alloc_storage(self._padded_unsharded, self._padded_unsharded.numel() * self.param_dtype.itemsize)
 
     def to_unsharded(self) -> None:
         self._register(self.unsharded_param)
@@ -244,6 +269,9 @@ class FSDPParam:
         Shard(dim != 0): (W, *shape[:dim], shape[dim] / W, *shape[dim + 1:]), a view.
         """
         grad = self.unsharded_grad
+        if self._accumulated_grad is not None:
+            accumulated, self._accumulated_grad = self._accumulated_grad, None
+            grad = accumulated if grad is None else accumulated.add_(grad)
         if grad is None or self.geometry.dim == 0:
             return grad
         return grad.unflatten(self.geometry.dim, (self.geometry.world_size, -1)).movedim(
@@ -252,6 +280,19 @@ class FSDPParam:
 
     def clear_unsharded_grad(self) -> None:
         self.unsharded_param.grad = None
+
+    def accumulate_unsharded_grad(self) -> None:
+        """No gradient sync this backward: fold the unsharded grad into a reduce_dtype
+        accumulator when param_dtype is lower, so micro-batches add in full precision."""
+        grad = self.unsharded_grad
+        if grad is None or self.reduce_dtype == self.param_dtype:
+            return
+        grad = grad.to(self.reduce_dtype)
+        if self._accumulated_grad is None:
+            self._accumulated_grad = grad
+        else:
+            self._accumulated_grad.add_(grad)
+        self.clear_unsharded_grad()
 
     def accumulate_partial_grad(self, reduced: torch.Tensor) -> None:
         """Hold a reduce-scattered chunk until the replicate all-reduce (HSDP)."""
@@ -294,6 +335,15 @@ class FSDPParam:
         assert self.sharded_state in states, (
             f"{self.fqn}: expected sharded state in {states}, got {self.sharded_state}"
         )
+
+
+def mp_dtypes(mp_policy: MixedPrecisionPolicy, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(param_dtype, reduce_dtype) of a parameter of ``dtype``: the policy applies to
+    floating-point parameters; reduce_dtype defaults to param_dtype, as in torch."""
+    if not dtype.is_floating_point:
+        return dtype, dtype
+    param_dtype = mp_policy.param_dtype or dtype
+    return param_dtype, mp_policy.reduce_dtype or param_dtype
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

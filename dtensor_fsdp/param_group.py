@@ -31,6 +31,7 @@ from .collectives import (
     finish_reduce_scatter,
     reduce_scatter,
 )
+from .api import MixedPrecisionPolicy
 from .mesh import MeshInfo
 from .param import FSDPParam, ParamToShard, ShardedState
 from .scheduler import CommContext
@@ -67,6 +68,7 @@ class FSDPParamGroup:
         device: torch.device,
         reshard_after_forward: bool,
         fqn: str,
+        mp_policy: MixedPrecisionPolicy,
         post_forward_mesh_info: MeshInfo | None = None,
     ) -> None:
         """Shard ``params`` into a new sharded buffer; the modules are not touched yet.
@@ -77,6 +79,7 @@ class FSDPParamGroup:
             device: where the sharded buffer lives (``meta`` for meta-device params).
             reshard_after_forward: whether to free the unsharded params after forward.
             fqn: the group's name in messages and traces ('' for the root module).
+            mp_policy: dtypes of the all-gather, compute and reduction.
             post_forward_mesh_info: with ``reshard_after_forward``, reshard to this
                 smaller mesh after forward instead of the full one (hpZ, see
                 `_reshard_post_forward`).
@@ -89,7 +92,13 @@ class FSDPParamGroup:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: all-reduce over the replicate axis
-        self.fsdp_params = self._shard(params, device)
+        self.fsdp_params = self._shard(params, device, mp_policy)
+        # The all-gather carries param_dtype. Without a cast it reads the sharded buffer
+        # in place and this order is the buffer's; with one, a copy-in casts each shard
+        # into a param_dtype buffer laid out in this order (largest dtype first again).
+        self._all_gather_order = sorted(self.fsdp_params, key=lambda p: -p.param_dtype.itemsize)
+        self._all_gather_split = [p.all_gather_nbytes for p in self._all_gather_order]
+        self._casts_on_all_gather = any(p.param_dtype != p.dtype for p in self.fsdp_params)
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.reduce_scatter_plan = ReduceScatterPlan.for_group(mesh_info.shard_group)
@@ -106,7 +115,9 @@ class FSDPParamGroup:
 
     # Initialization #
 
-    def _shard(self, params: list[ParamToShard], device: torch.device) -> list[FSDPParam]:
+    def _shard(
+        self, params: list[ParamToShard], device: torch.device, mp_policy: MixedPrecisionPolicy
+    ) -> list[FSDPParam]:
         world_size = self.mesh_info.shard_size
         # See [Note: sharded buffer] for why the layout is sorted by element size.
         layout = sorted(params, key=lambda p: -p.data.dtype.itemsize)
@@ -117,13 +128,11 @@ class FSDPParamGroup:
             for p in layout
         ]
         self.sharded_buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        self.split_nbytes = sizes
-        fsdp_params, offset = [], 0
-        for source, size in zip(layout, sizes, strict=True):
-            segment = self.sharded_buffer[offset : offset + size]  # (padded_shard_nbytes,)
-            fsdp_params.append(FSDPParam(source, self.mesh_info, segment))
-            offset += size
-        return fsdp_params
+        segments = self.sharded_buffer.split(sizes)  # each (padded_shard_nbytes,)
+        return [
+            FSDPParam(source, self.mesh_info, segment, mp_policy)
+            for source, segment in zip(layout, segments, strict=True)
+        ]
 
     def to_sharded_modules(self) -> None:
         """The one mutation of ``fully_shard``: register the sharded params."""
@@ -174,7 +183,7 @@ class FSDPParamGroup:
                 result.output,
                 world_size,
                 source.split_nbytes,
-                [p.copy_out_target(world_size, is_post_forward) for p in self.fsdp_params],
+                [p.copy_out_target(world_size, is_post_forward) for p in self._all_gather_order],
             )
             for fsdp_param in self.fsdp_params:
                 fsdp_param.finish_copy_out()
@@ -225,7 +234,7 @@ class FSDPParamGroup:
         if self.sharded_state != ShardedState.UNSHARDED:
             return
         k, j = post_forward.shard_size, post_forward.shard_rank
-        kept = [p.unsharded_rows(k)[j] for p in self.fsdp_params]  # each (W/k * bytes,)
+        kept = [p.unsharded_rows(k)[j] for p in self._all_gather_order]  # each (W/k * bytes,)
         self._post_forward_buffer = torch.cat(kept)  # (W/k * shard_nbytes,) uint8
         self._record("reshard_post_forward")
         for fsdp_param in self.fsdp_params:
@@ -254,6 +263,9 @@ class FSDPParamGroup:
         self._record("post_backward")
         if self.requires_gradient_sync:
             self._reduce_scatter_grads()
+        else:
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.accumulate_unsharded_grad()
         if self.reshard_after_backward:
             self.reshard()
 
@@ -282,12 +294,27 @@ class FSDPParamGroup:
             return AllGatherSource(
                 self._post_forward_buffer,
                 self.post_forward_mesh_info,
-                [ratio * nbytes for nbytes in self.split_nbytes],
+                [ratio * nbytes for nbytes in self._all_gather_split],
             )
         for fsdp_param in self.fsdp_params:
             if not fsdp_param.is_sharded_storage_aliased():
                 fsdp_param.copy_sharded_into_storage()
-        return AllGatherSource(self.sharded_buffer, self.mesh_info, self.split_nbytes)
+        if not self._casts_on_all_gather:
+            return AllGatherSource(self.sharded_buffer, self.mesh_info, self._all_gather_split)
+        return AllGatherSource(self._cast_copy_in(), self.mesh_info, self._all_gather_split)
+
+    def _cast_copy_in(self) -> torch.Tensor:
+        """Mixed precision: cast every padded shard to param_dtype into a new all-gather
+        input, so the wire carries low-precision bytes. One foreach kernel."""
+        all_gather_input = torch.empty(
+            sum(self._all_gather_split), dtype=torch.uint8, device=self.sharded_buffer.device
+        )  # (sum of all_gather_nbytes,)
+        segments = all_gather_input.split(self._all_gather_split)
+        torch._foreach_copy_(
+            [p.all_gather_input_view(seg) for p, seg in zip(self._all_gather_order, segments, strict=True)],
+            [p.padded_shard for p in self._all_gather_order],
+        )
+        return all_gather_input
 
     def _wait_all_gather(self) -> AllGatherResult | None:
         result, self._all_gather = self._all_gather, None
@@ -314,9 +341,11 @@ class FSDPParamGroup:
         grads = [grad for _, grad in to_reduce if grad is not None]
         if not grads:
             return
+        reduce_dtype = with_grad[0].reduce_dtype
+        grads = [grad.to(reduce_dtype) for grad in grads]  # no copy unless mixed precision
         issued_s = time.perf_counter()
         result = reduce_scatter(
-            grads, grads[0].dtype, self.mesh_info.shard_group, self.reduce_scatter_plan, async_op=True
+            grads, reduce_dtype, self.mesh_info.shard_group, self.reduce_scatter_plan, async_op=True
         )
         # The grads now live in the reduce-scatter input: free the unsharded ones.
         for fsdp_param in with_grad:

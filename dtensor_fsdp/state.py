@@ -24,8 +24,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .api import MixedPrecisionPolicy
 from .param_group import FSDPParamGroup, TrainingState
 from .scheduler import CommContext
 
@@ -46,9 +47,11 @@ class FSDPState:
         modules: tuple[nn.Module, ...],
         group: FSDPParamGroup | None,
         auto_reshard_after_forward: bool,
+        mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.modules = modules
-        self.group = group  # None when every parameter already belonged to a subgroup
+        self.group = group
+        self.mp_policy = mp_policy  # None when every parameter already belonged to a subgroup
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None  # decided at lazy init
         self.root: FSDPState | None = None
@@ -118,6 +121,8 @@ class FSDPState:
             return args, kwargs
         if self.is_root:
             self.ctx.begin_forward()
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
         if self.group is None:
             return args, kwargs
         self.group.pre_forward()
@@ -128,6 +133,8 @@ class FSDPState:
         assert self.ctx is not None
         if self.is_root:
             self.ctx.end_forward()
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
         if self.group is None or self._is_recomputing_in_backward():
             return output
         self.group.post_forward(module)
@@ -220,6 +227,14 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.state.post_backward()
         return (None, *grads)
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in a pytree to ``dtype`` (a differentiable cast)."""
+    return tree_map(
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+        tree,
+    )
 
 
 def states_under(modules: tuple[nn.Module, ...]) -> list[FSDPState]:

@@ -129,7 +129,6 @@ def test_trainable_parameters_of_different_dtypes_in_one_group() -> None:
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}, "issue 5"),
         ({"offload_policy": CPUOffloadPolicy()}, "issue 5"),
     ],
 )
