@@ -6,8 +6,9 @@ param_group.py's business.
 Backends differ in what they do well, so the reduce-scatter has two implementations,
 picked once per process group by `ReduceScatterPlan.for_group`:
 
-- ``reduce_scatter_tensor`` with ``ReduceOp.AVG`` (NCCL and others): one ring
-  reduce-scatter, (W-1)/W of the buffer on the wire per rank.
+- ``reduce_scatter_tensor`` (NCCL and others), with ``ReduceOp.AVG`` on NCCL unless a
+  custom divide factor or sum-only reduction is asked for: one ring reduce-scatter,
+  (W-1)/W of the buffer on the wire per rank.
 - ``all_to_all_single`` then a local sum (gloo): gloo implements
   ``reduce_scatter_tensor`` as a full all-reduce plus a copy, about twice the ring
   traffic; an all-to-all moves exactly (W-1)/W of the buffer, and the W-way sum is cheap
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ._tensor_utils import chunk_rows
+from .api import AllGather, ReduceScatter
 
 # torch 2.13 renamed the single-tensor collectives and deprecated the old names; 2.11
 # has only the old ones. Same signature either way.
@@ -41,16 +43,22 @@ class AllGatherResult:
 
 @dataclass(frozen=True)
 class ReduceScatterPlan:
-    """Which reduce-scatter implementation a process group gets."""
+    """How one group's gradients are reduce-scattered, decided per backward."""
 
-    use_all_to_all: bool
-    supports_avg: bool
+    use_all_to_all: bool  # gloo: all-to-all then a local sum
+    average_in_collective: bool  # ReduceOp.AVG; else SUM, and the caller divides
+    custom: ReduceScatter | None = None  # set_custom_reduce_scatter
 
     @staticmethod
-    def for_group(group: dist.ProcessGroup) -> "ReduceScatterPlan":
+    def choose(
+        group: dist.ProcessGroup, *, prefer_average: bool, custom: ReduceScatter | None
+    ) -> "ReduceScatterPlan":
+        if custom is not None:
+            return ReduceScatterPlan(use_all_to_all=False, average_in_collective=False, custom=custom)
         backend = dist.get_backend(group)
-        is_gloo = backend == "gloo"
-        return ReduceScatterPlan(use_all_to_all=is_gloo, supports_avg=backend == "nccl")
+        if backend == "gloo":
+            return ReduceScatterPlan(use_all_to_all=True, average_in_collective=False)
+        return ReduceScatterPlan(use_all_to_all=False, average_in_collective=prefer_average and backend == "nccl")
 
 
 @dataclass(frozen=True)
@@ -61,23 +69,25 @@ class ReduceScatterResult:
     output: torch.Tensor  # (shard_numel,) or, for all-to-all, (W, shard_numel)
     work: dist.Work | None
     plan: ReduceScatterPlan
-    world_size: int
     input_nbytes: int  # the padded (W, shard_numel) input, for traces
 
 
 def all_gather(
-    all_gather_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    all_gather_input: torch.Tensor, group: dist.ProcessGroup, custom: AllGather | None
 ) -> AllGatherResult:
-    """Issue one all-gather of this rank's whole group of padded shards.
+    """Issue one asynchronous all-gather of this rank's whole group of padded shards.
 
     Args:
         all_gather_input: (shard_nbytes,) uint8, read in place (no copy-in).
+        custom: a user ``AllGather`` (``set_custom_all_gather``) to allocate and run it.
     """
-    world_size = group.size()
-    output = torch.empty(
-        world_size * all_gather_input.numel(), dtype=torch.uint8, device=all_gather_input.device
-    )
-    work = _all_gather_single(output, all_gather_input, group=group, async_op=async_op)
+    size = (group.size() * all_gather_input.numel(),)
+    device = all_gather_input.device
+    if custom is not None:
+        output = custom.allocate(size, dtype=torch.uint8, device=device)
+        return AllGatherResult(output=output, work=custom(output, all_gather_input, group, async_op=True))
+    output = torch.empty(size, dtype=torch.uint8, device=device)
+    work = _all_gather_single(output, all_gather_input, group=group, async_op=True)
     return AllGatherResult(output=output, work=work)
 
 
@@ -114,40 +124,37 @@ def reduce_scatter(
     device = unsharded_grads[0].device
     reduce_input = torch.empty((world_size, shard_numel), dtype=reduce_dtype, device=device)
     torch._chunk_cat(unsharded_grads, dim=0, num_chunks=world_size, out=reduce_input)
-    if plan.use_all_to_all:
+    op = dist.ReduceOp.AVG if plan.average_in_collective else dist.ReduceOp.SUM
+    if plan.custom is not None:
+        output = plan.custom.allocate((shard_numel,), dtype=reduce_dtype, device=device)
+        work = plan.custom(output, reduce_input.view(-1), group, op, async_op=async_op)
+    elif plan.use_all_to_all:
         output = torch.empty_like(reduce_input)  # (W, shard_numel): every rank's chunk r
         work = dist.all_to_all_single(output, reduce_input, group=group, async_op=async_op)
     else:
         output = torch.empty(shard_numel, dtype=reduce_dtype, device=device)
-        op = dist.ReduceOp.AVG if plan.supports_avg else dist.ReduceOp.SUM
         work = _reduce_scatter_single(output, reduce_input, op=op, group=group, async_op=async_op)
     return ReduceScatterResult(
         input=reduce_input,
         output=output,
         work=work,
         plan=plan,
-        world_size=world_size,
         input_nbytes=reduce_input.numel() * reduce_input.element_size(),
     )
 
 
 def finish_reduce_scatter(result: ReduceScatterResult) -> torch.Tensor:
-    """The averaged gradient chunk, (shard_numel,), once ``result.work`` is waited."""
+    """This rank's reduced chunk, (shard_numel,), once ``result.work`` is waited: summed,
+    or averaged if ``plan.average_in_collective``."""
     if result.plan.use_all_to_all:
-        reduced = result.output.sum(dim=0)  # (shard_numel,)
-        return reduced.div_(result.world_size)
-    if result.plan.supports_avg:
-        return result.output
-    return result.output.div_(result.world_size)
+        return result.output.sum(dim=0)  # (shard_numel,)
+    return result.output
 
 
-def all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Average ``tensor`` in place over ``group`` (HSDP's replicate axis).
-
-    SUM then divide: gloo has no PREMUL_SUM, and AVG is not on every backend.
-    """
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    tensor.div_(group.size())
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool) -> None:
+    """Sum, or with ``average`` average, ``tensor`` in place over ``group`` (HSDP's
+    replicate axis). ``average`` only where the plan chose AVG for its backend."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=group)
 
 
 def _padded_chunk_numel(tensor: torch.Tensor, world_size: int) -> int:

@@ -17,7 +17,6 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .api import (
     AllGather,
-    CPUOffloadPolicy,
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -98,7 +97,9 @@ def fully_shard(
         mp_policy: mixed precision: all-gather and compute in ``param_dtype`` (the cast
             happens on the shard, before the all-gather), reduce in ``reduce_dtype``;
             the sharded params and grads the optimizer sees keep the original dtype.
-        offload_policy: CPU offloading (not yet supported beyond the default).
+        offload_policy: ``CPUOffloadPolicy()`` keeps sharded params, grads and hence
+            optimizer state on the CPU; shards are copied to the device for the
+            all-gather and reduced grads back to the CPU.
         ignored_params: parameters to leave alone: not sharded, not moved, not reduced.
         dp_mesh_dims: with it, ``mesh`` is the full SPMD mesh, every parameter a DTensor
             on it with ``Replicate()`` on the named data-parallel axes; FSDP shards over
@@ -136,6 +137,7 @@ def fully_shard(
             reshard_after_forward=_reshards_after_forward(reshard_after_forward),
             fqn="",
             mp_policy=mp_policy,
+            offload_policy=offload_policy,
             post_forward_mesh_info=(
                 post_forward_mesh_info(mesh_info, reshard_after_forward) if is_hpz else None
             ),
@@ -235,8 +237,6 @@ def _reject_unsupported(
         dtype = getattr(mp_policy, field)
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"MixedPrecisionPolicy.{field} must be a floating-point dtype, got {dtype}")
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError("CPUOffloadPolicy is not implemented yet (issue 5)")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
 
@@ -524,31 +524,78 @@ class FSDPModule:
                 state.group.trace = trace
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
-        raise NotImplementedError("set_custom_all_gather is not implemented yet (issue 5)")
+        """Run this group's all-gathers with ``comm``, which also allocates their output.
+        Not recursive. ``comm`` receives 1-D uint8 tensors (the group's shards as bytes)
+        and is called with ``async_op=True``; it must return a ``Work``."""
+        for group in self._own_groups():
+            group.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
-        raise NotImplementedError("set_custom_reduce_scatter is not implemented yet (issue 5)")
+        """Run this group's reduce-scatters with ``comm``, which also allocates their
+        output. Not recursive. ``comm`` gets a 1-D input of W equal chunks and
+        ``ReduceOp.SUM``; FSDP divides afterwards."""
+        for group in self._own_groups():
+            group.custom_reduce_scatter = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
-        raise NotImplementedError("set_all_reduce_hook is not implemented yet (issue 5)")
+        """Call ``hook(reduce_output)`` on this group's reduced gradients, in place,
+        before they land on ``.grad``: the reduce-scatter output (FSDP) or the
+        all-reduce output (HSDP), 1-D. Not recursive.
+
+        ``stream`` is accepted for torch compatibility; the hook runs on the current
+        stream, which the reduction has already been ordered before.
+        """
+        if stream is not None and any(g.mesh_info.is_hsdp for g in self._own_groups()):
+            raise ValueError("stream cannot be set when using native HSDP")
+        for group in self._own_groups():
+            group.all_reduce_hook = hook
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        raise NotImplementedError("set_post_optim_event is not implemented yet (issue 5)")
+        """Give the root an event marking the end of the optimizer step, to wait on
+        before its next forward's all-gathers; used once, then discarded.
+
+        dtensor_fsdp issues all-gathers from the current stream, which already runs
+        after the optimizer step, so waiting on the event adds no ordering; it is
+        accepted so code written for torch's FSDP2 runs unchanged.
+        """
+        self._get_fsdp_state().post_optim_event = event
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         self.set_gradient_divide_factor(factor)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        raise NotImplementedError("set_gradient_divide_factor is not implemented yet (issue 5)")
+        """Divide reduced gradients by ``factor`` instead of the data-parallel world size
+        (e.g. 1.0 when the loss is already a global mean). Recursive."""
+        if factor <= 0:
+            raise ValueError(f"gradient divide factor must be positive, got {factor}")
+        for state in self._fsdp_states(recurse=True):
+            if state.group is not None:
+                state.group.gradient_divide_factor = factor
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        raise NotImplementedError("set_force_sum_reduction_for_comms is not implemented yet (issue 5)")
+        """Only ever ask collectives to SUM (no AVG or PREMUL_SUM), dividing separately.
+        Recursive. On gloo this is always the case."""
+        for state in self._fsdp_states(recurse=True):
+            if state.group is not None:
+                state.group.force_sum_reduction = enable
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        raise NotImplementedError("set_reduce_scatter_unused_params is not implemented yet (issue 5)")
+        """Reduce-scatter zeros for trainable parameters that got no gradient, so ranks
+        that used different parameters (conditional compute, MoE) still issue the same
+        collective. Like DDP's ``find_unused_parameters``."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        raise NotImplementedError("set_unshard_in_backward is not implemented yet (issue 5)")
+        """Whether backward needs this group's parameters. ``False`` skips the backward
+        all-gather (an expert setting, e.g. an embedding). Not recursive."""
+        for group in self._own_groups():
+            group.unshard_in_backward = unshard_in_backward
+
+    def _own_groups(self) -> list[FSDPParamGroup]:
+        group = self._get_fsdp_state().group
+        return [group] if group is not None else []
 
 
 def _state_for_prefetch(module: Any) -> FSDPState:

@@ -139,9 +139,10 @@ class FSDPParam:
         """``segment`` (uint8, ``all_gather_nbytes``) as a padded shard of param_dtype."""
         return segment.view(self.param_dtype).view(self.geometry.padded_local_shape)
 
-    @property
-    def padded_shard(self) -> torch.Tensor:
-        return self._padded_shard
+    def padded_shard_view(self, segment: torch.Tensor) -> torch.Tensor:
+        """``segment`` (uint8, ``padded_shard_nbytes``, e.g. on the compute device under
+        CPU offload) viewed like the padded shard."""
+        return segment.view(self.dtype).view(self.geometry.padded_local_shape)
 
     # Initialization #
 
@@ -272,7 +273,15 @@ class FSDPParam:
         if self._accumulated_grad is not None:
             accumulated, self._accumulated_grad = self._accumulated_grad, None
             grad = accumulated if grad is None else accumulated.add_(grad)
-        if grad is None or self.geometry.dim == 0:
+        return None if grad is None else self._arranged_for_reduce_scatter(grad)
+
+    def zero_grad_to_reduce(self) -> torch.Tensor:
+        """Zeros in place of the grad of a parameter unused this step."""
+        zeros = torch.zeros(self.shape, dtype=self.param_dtype, device=self._padded_unsharded.device)
+        return self._arranged_for_reduce_scatter(zeros)
+
+    def _arranged_for_reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.geometry.dim == 0:
             return grad
         return grad.unflatten(self.geometry.dim, (self.geometry.world_size, -1)).movedim(
             self.geometry.dim, 0
@@ -309,9 +318,11 @@ class FSDPParam:
         """
         local_shape = self.geometry.local_shape
         local = reduced[: math.prod(local_shape)].view(local_shape)  # (*local_shape)
+        # Under CPU offload the sharded grad lives with the sharded param, on the CPU.
+        local = local.to(device=self._padded_shard.device, dtype=self.dtype, non_blocking=True)
         grad = self.sharded_param.grad
         if grad is None:
-            self.sharded_param.grad = self._sharded_dtensor(local.to(self.dtype))
+            self.sharded_param.grad = self._sharded_dtensor(local)
         else:
             grad.to_local().add_(local)
 

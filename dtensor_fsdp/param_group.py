@@ -13,6 +13,7 @@ and that one shard is copied in before the all-gather.
 """
 
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -26,12 +27,12 @@ from .collectives import (
     ReduceScatterPlan,
     ReduceScatterResult,
     all_gather,
-    all_reduce_mean,
+    all_reduce,
     copy_out,
     finish_reduce_scatter,
     reduce_scatter,
 )
-from .api import MixedPrecisionPolicy
+from .api import AllGather, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
 from .mesh import MeshInfo
 from .param import FSDPParam, ParamToShard, ShardedState
 from .scheduler import CommContext
@@ -69,6 +70,7 @@ class FSDPParamGroup:
         reshard_after_forward: bool,
         fqn: str,
         mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
         post_forward_mesh_info: MeshInfo | None = None,
     ) -> None:
         """Shard ``params`` into a new sharded buffer; the modules are not touched yet.
@@ -76,10 +78,12 @@ class FSDPParamGroup:
         Args:
             params: each parameter as validated by fully_shard, in registration order.
             modules: the modules passed to ``fully_shard``.
-            device: where the sharded buffer lives (``meta`` for meta-device params).
+            device: the compute device, or ``meta`` for meta-device params.
             reshard_after_forward: whether to free the unsharded params after forward.
             fqn: the group's name in messages and traces ('' for the root module).
             mp_policy: dtypes of the all-gather, compute and reduction.
+            offload_policy: with ``CPUOffloadPolicy`` the sharded buffer (hence the
+                sharded params, grads and optimizer state) lives on the CPU.
             post_forward_mesh_info: with ``reshard_after_forward``, reshard to this
                 smaller mesh after forward instead of the full one (hpZ, see
                 `_reshard_post_forward`).
@@ -92,7 +96,9 @@ class FSDPParamGroup:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: all-reduce over the replicate axis
-        self.fsdp_params = self._shard(params, device, mp_policy)
+        self.device = device
+        self.offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
+        self.fsdp_params = self._shard(params, self._sharded_device(device), mp_policy)
         # The all-gather carries param_dtype. Without a cast it reads the sharded buffer
         # in place and this order is the buffer's; with one, a copy-in casts each shard
         # into a param_dtype buffer laid out in this order (largest dtype first again).
@@ -101,7 +107,14 @@ class FSDPParamGroup:
         self._casts_on_all_gather = any(p.param_dtype != p.dtype for p in self.fsdp_params)
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.reduce_scatter_plan = ReduceScatterPlan.for_group(mesh_info.shard_group)
+        # FSDPModule.set_* knobs (torch's names):
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False
+        self.custom_all_gather: AllGather | None = None
+        self.custom_reduce_scatter: ReduceScatter | None = None
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.reduce_scatter_unused_params = False
+        self.unshard_in_backward = True
         self.ctx: CommContext | None = None  # handed down at the root's lazy init
         self.trace: CommTrace | None = None
         self._all_gather: AllGatherResult | None = None  # issued, not yet copied out
@@ -127,12 +140,20 @@ class FSDPParamGroup:
             * p.data.dtype.itemsize
             for p in layout
         ]
-        self.sharded_buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        # Pinned host memory lets the offload copies run asynchronously; pinning needs
+        # an accelerator, so a CPU mesh just uses ordinary memory.
+        pin = self.offload is not None and self.offload.pin_memory and self.device.type not in ("cpu", "meta")
+        self.sharded_buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin)
         segments = self.sharded_buffer.split(sizes)  # each (padded_shard_nbytes,)
         return [
             FSDPParam(source, self.mesh_info, segment, mp_policy)
             for source, segment in zip(layout, segments, strict=True)
         ]
+
+    def _sharded_device(self, device: torch.device) -> torch.device:
+        if self.offload is None or device.type == "meta":
+            return device
+        return torch.device("cpu")
 
     def to_sharded_modules(self) -> None:
         """The one mutation of ``fully_shard``: register the sharded params."""
@@ -157,7 +178,7 @@ class FSDPParamGroup:
         source = self._all_gather_source_now()
         self._record("unshard")
         self._all_gather_issued_s = time.perf_counter()
-        self._all_gather = all_gather(source.input, source.mesh_info.shard_group, async_op=True)
+        self._all_gather = all_gather(source.input, source.mesh_info.shard_group, self.custom_all_gather)
         self._all_gather_source = source
         if not async_op:
             self.wait_for_unshard()
@@ -246,7 +267,8 @@ class FSDPParamGroup:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         self._record("pre_backward")
-        self.unshard()
+        if self.unshard_in_backward:
+            self.unshard()
 
     def register_post_backward_node(self) -> None:
         self._pending_post_backward_nodes += 1
@@ -299,20 +321,27 @@ class FSDPParamGroup:
         for fsdp_param in self.fsdp_params:
             if not fsdp_param.is_sharded_storage_aliased():
                 fsdp_param.copy_sharded_into_storage()
+        # CPU offload: one host-to-device copy of the whole group's shards.
+        sharded = self.sharded_buffer.to(self.device, non_blocking=True)
         if not self._casts_on_all_gather:
-            return AllGatherSource(self.sharded_buffer, self.mesh_info, self._all_gather_split)
-        return AllGatherSource(self._cast_copy_in(), self.mesh_info, self._all_gather_split)
+            return AllGatherSource(sharded, self.mesh_info, self._all_gather_split)
+        return AllGatherSource(self._cast_copy_in(sharded), self.mesh_info, self._all_gather_split)
 
-    def _cast_copy_in(self) -> torch.Tensor:
+    def _cast_copy_in(self, sharded: torch.Tensor) -> torch.Tensor:
         """Mixed precision: cast every padded shard to param_dtype into a new all-gather
-        input, so the wire carries low-precision bytes. One foreach kernel."""
+        input, so the wire carries low-precision bytes. One foreach kernel.
+
+        Args:
+            sharded: the sharded buffer, on the compute device.
+        """
         all_gather_input = torch.empty(
-            sum(self._all_gather_split), dtype=torch.uint8, device=self.sharded_buffer.device
+            sum(self._all_gather_split), dtype=torch.uint8, device=sharded.device
         )  # (sum of all_gather_nbytes,)
-        segments = all_gather_input.split(self._all_gather_split)
+        destinations = all_gather_input.split(self._all_gather_split)
+        sources = dict(zip(self.fsdp_params, sharded.split([p.padded_shard_nbytes for p in self.fsdp_params]), strict=True))
         torch._foreach_copy_(
-            [p.all_gather_input_view(seg) for p, seg in zip(self._all_gather_order, segments, strict=True)],
-            [p.padded_shard for p in self._all_gather_order],
+            [p.all_gather_input_view(dst) for p, dst in zip(self._all_gather_order, destinations, strict=True)],
+            [p.padded_shard_view(sources[p]) for p in self._all_gather_order],
         )
         return all_gather_input
 
@@ -337,45 +366,84 @@ class FSDPParamGroup:
     def _reduce_scatter_grads(self) -> None:
         # One call each: for TP, turning a Partial grad into its placements communicates.
         to_reduce = [(p, p.grad_to_reduce()) for p in self.fsdp_params]
+        if self.reduce_scatter_unused_params:
+            # Every rank must issue the same collective even if some rank left a
+            # parameter unused this step (conditional compute, MoE): send zeros.
+            to_reduce = [(p, p.zero_grad_to_reduce() if g is None and p.requires_grad else g) for p, g in to_reduce]
         with_grad = [p for p, grad in to_reduce if grad is not None]
-        grads = [grad for _, grad in to_reduce if grad is not None]
-        if not grads:
+        if not with_grad:
             return
-        reduce_dtype = with_grad[0].reduce_dtype
-        grads = [grad.to(reduce_dtype) for grad in grads]  # no copy unless mixed precision
-        issued_s = time.perf_counter()
-        result = reduce_scatter(
-            grads, reduce_dtype, self.mesh_info.shard_group, self.reduce_scatter_plan, async_op=True
+        plan = ReduceScatterPlan.choose(
+            self.mesh_info.shard_group,
+            prefer_average=self.gradient_divide_factor is None and not self.force_sum_reduction,
+            custom=self.custom_reduce_scatter,
         )
+        reduce_dtype = with_grad[0].reduce_dtype
+        grads = [grad.to(reduce_dtype) for _, grad in to_reduce if grad is not None]
+        pre_divisor, post_divisor = self._divisors(plan, reduce_dtype)
+        if pre_divisor != 1.0:
+            grads = torch._foreach_div(grads, pre_divisor)
+        issued_s = time.perf_counter()
+        result = reduce_scatter(grads, reduce_dtype, self.mesh_info.shard_group, plan, async_op=True)
         # The grads now live in the reduce-scatter input: free the unsharded ones.
         for fsdp_param in with_grad:
             fsdp_param.clear_unsharded_grad()
         assert self.ctx is not None, f"{self.fqn}: post-backward before lazy init"
         self.ctx.enqueue_reduce_scatter(
-            lambda: self._finish_reduce_scatter(result, with_grad, issued_s)
+            lambda: self._finish_reduce_scatter(result, with_grad, post_divisor, issued_s)
         )
 
+    def _divisors(self, plan: ReduceScatterPlan, reduce_dtype: torch.dtype) -> tuple[float, float]:
+        """(before, after) the reduction: the gradient average over every data-parallel
+        rank, or ``set_gradient_divide_factor``'s factor, unless the collective averages.
+        fp16 splits it around the sum (sqrt each side) so the sum cannot overflow."""
+        if plan.average_in_collective:
+            return 1.0, 1.0
+        divisor = self.gradient_divide_factor or float(
+            self.mesh_info.shard_size * self.mesh_info.replicate_size
+        )
+        if reduce_dtype == torch.float16:
+            return divisor**0.5, divisor**0.5
+        return 1.0, divisor
+
     def _finish_reduce_scatter(
-        self, result: ReduceScatterResult, with_grad: list[FSDPParam], issued_s: float
+        self, result: ReduceScatterResult, with_grad: list[FSDPParam], post_divisor: float, issued_s: float
     ) -> None:
         wait_s = time.perf_counter()
         if result.work is not None:
             result.work.wait()
         self._record_comm("reduce_scatter", result.input_nbytes, issued_s, wait_s, phase="backward")
         reduced = finish_reduce_scatter(result)  # (sum of padded chunk numels,)
-        chunks = dict(zip(with_grad, reduced.split([p.padded_shard_numel for p in with_grad]), strict=True))
+        params = with_grad
         if self.mesh_info.is_hsdp:
             if not self.requires_all_reduce:
-                for fsdp_param, chunk in chunks.items():
+                for fsdp_param, chunk in zip(with_grad, self._split(reduced, with_grad), strict=True):
                     fsdp_param.accumulate_partial_grad(chunk)
                 return
-            chunks = self._all_reduce_over_replicas(chunks)
-        for fsdp_param, chunk in chunks.items():
+            params, reduced = self._all_reduce_over_replicas(
+                dict(zip(with_grad, self._split(reduced, with_grad), strict=True)),
+                average=result.plan.average_in_collective,
+            )
+        if post_divisor != 1.0:
+            reduced.div_(post_divisor)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(reduced)
+        for fsdp_param, chunk in zip(params, self._split(reduced, params), strict=True):
             fsdp_param.accumulate_sharded_grad(chunk)
 
-    def _all_reduce_over_replicas(self, chunks: dict[FSDPParam, torch.Tensor]) -> dict[FSDPParam, torch.Tensor]:
-        """HSDP: average the shard-reduced chunks over the replicate axis, in one
-        all-reduce, adding the partial sums that micro-batches without all-reduce left."""
+    @staticmethod
+    def _split(reduced: torch.Tensor, params: list[FSDPParam]) -> tuple[torch.Tensor, ...]:
+        return reduced.split([p.padded_shard_numel for p in params])
+
+    def _all_reduce_over_replicas(
+        self, chunks: dict[FSDPParam, torch.Tensor], average: bool
+    ) -> tuple[list[FSDPParam], torch.Tensor]:
+        """HSDP: reduce the shard-reduced chunks over the replicate axis in one
+        all-reduce, adding the partial sums that micro-batches without all-reduce left.
+
+        Returns:
+            The parameters in the all-reduced buffer, and the buffer (1-D).
+        """
         params = [p for p in self.fsdp_params if p in chunks or p.partial_reduced_grad is not None]
         parts = []
         for fsdp_param in params:
@@ -384,7 +452,7 @@ class FSDPParamGroup:
             fsdp_param.partial_reduced_grad = None
         flat = torch.cat(parts)  # (sum of padded chunk numels,)
         issued_s = time.perf_counter()
-        all_reduce_mean(flat, self.mesh_info.replicate_group)
+        all_reduce(flat, self.mesh_info.replicate_group, average)
         self._record_comm(
             "all_reduce",
             flat.numel() * flat.element_size(),
@@ -393,7 +461,7 @@ class FSDPParamGroup:
             phase="backward",
             group_size=self.mesh_info.replicate_size,
         )
-        return dict(zip(params, flat.split([p.padded_shard_numel for p in params]), strict=True))
+        return params, flat
 
     # Tracing #
 

@@ -61,6 +61,7 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None  # None: implicit
         self.is_last_backward = True  # read on the root
         self.max_in_flight_reduce_scatters = 2  # read on the root at lazy init
+        self.post_optim_event: torch.Event | None = None  # root only, used once
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
 
     # Initialization #
@@ -121,6 +122,9 @@ class FSDPState:
             return args, kwargs
         if self.is_root:
             self.ctx.begin_forward()
+            if self.post_optim_event is not None:
+                self.post_optim_event.wait()
+                self.post_optim_event = None
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
         if self.group is None:
@@ -169,7 +173,15 @@ class FSDPState:
                 state.group.finalize_backward()
         if self.is_last_backward:
             self.ctx.wait_for_reduce_scatters()
+            self._wait_for_offloaded_grads()
         self.ctx.reset()
+
+    def _wait_for_offloaded_grads(self) -> None:
+        # CPU offload copies sharded grads device-to-host without blocking; the
+        # optimizer reads them on the host right after backward returns.
+        offloaded = [s.group for s in self.states_in_tree if s.group is not None and s.group.offload]
+        if offloaded and offloaded[0].device.type not in ("cpu", "meta"):
+            getattr(torch, offloaded[0].device.type).current_stream().synchronize()
 
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward (root only)."""

@@ -11,7 +11,6 @@ are the output buffer, reduce-scatter bytes the input buffer; both are W x the p
 shard.
 """
 
-import gc
 from typing import Any
 
 import pytest

@@ -10,10 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_fsdp import (
-    CPUOffloadPolicy,
     DataParallelMeshDims,
     FSDPModule,
-    MixedPrecisionPolicy,
     fully_shard,
 )
 from tests._harness import fake_mesh
@@ -123,20 +121,6 @@ def test_trainable_parameters_of_different_dtypes_in_one_group() -> None:
         _assert_rejected(
             model, lambda: fully_shard(model, mesh=mesh), NotImplementedError,
             "'0.bias' \\(torch.float64\\).*separate fully_shard calls",
-        )
-
-
-@pytest.mark.parametrize(
-    "kwargs,match",
-    [
-        ({"offload_policy": CPUOffloadPolicy()}, "issue 5"),
-    ],
-)
-def test_arguments_not_built_yet_say_so(kwargs: dict[str, Any], match: str) -> None:
-    model = _mlp()
-    with fake_mesh(2) as mesh:
-        _assert_rejected(
-            model, lambda: fully_shard(model, mesh=mesh, **kwargs), NotImplementedError, match
         )
 
 
