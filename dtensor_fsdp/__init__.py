@@ -12,6 +12,7 @@ from .api import (
     ReduceScatter,
 )
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .init import init_unsharded
 from .trace import CommEvent, CommTrace, LifecycleEvent
 
 __all__ = [
@@ -27,5 +28,6 @@ __all__ = [
     "ReduceScatter",
     "UnshardHandle",
     "fully_shard",
+    "init_unsharded",
     "register_fsdp_forward_method",
 ]

@@ -434,6 +434,16 @@ class FSDPModule:
                 seen.setdefault(id(state), state)
         return list(seen.values())
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``to()``, ``to_empty()``, ``cuda()``...: apply to the sharded params, then make
+        them views of a sharded buffer on their new device again."""
+        self.reshard()
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.rehome_after_apply()
+        return result
+
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones. Not recursive."""
         group = self._get_fsdp_state().group

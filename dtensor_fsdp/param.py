@@ -336,6 +336,50 @@ class FSDPParam:
             stride=_contiguous_stride(self.global_shape),
         )
 
+    # Re-homing and initialization #
+
+    def rebind_sharded_storage(self, segment: torch.Tensor) -> None:
+        """After ``nn.Module._apply`` (``to_empty``, ``to``, ``cuda``...) gave the sharded
+        param a new local tensor: copy it into ``segment`` of the group's new sharded
+        buffer and make the sharded param a view of it again. The Parameter object is
+        kept (``swap_tensors``), so optimizers and hooks built on it stay valid."""
+        local = self.sharded_param.to_local()
+        self._padded_shard = self.padded_shard_view(segment)
+        with torch.no_grad():
+            self._padded_shard.zero_()
+            view = self._padded_shard[: self.geometry.local_shape[0]]  # (*local_shape)
+            view.copy_(local)
+            rebound = nn.Parameter(self._sharded_dtensor(view), requires_grad=self.requires_grad)
+        torch.utils.swap_tensors(self.sharded_param, rebound)
+        self._sharded_local = view
+        self._init_unsharded_param()
+
+    def register_full_for_init(self) -> nn.Parameter:
+        """Register a temporary full parameter in the original dtype, for init code to
+        fill exactly as it would fill the unsharded model."""
+        device = self._padded_shard.device
+        full: torch.Tensor = torch.empty(self.shape, dtype=self.dtype, device=device)
+        if self.layout.unsharded_mesh is not None:
+            full = DTensor.from_local(
+                full,
+                self.layout.unsharded_mesh,
+                self.layout.unsharded_placements,
+                run_check=False,
+                shape=self.global_shape,
+                stride=_contiguous_stride(self.global_shape),
+            )
+        param = nn.Parameter(full, requires_grad=self.requires_grad)
+        self._register(param)
+        return param
+
+    def write_back_from_init(self, full: nn.Parameter) -> None:
+        """Keep this rank's chunk of the initialized full parameter; register the
+        sharded param again."""
+        data = full.to_local() if isinstance(full, DTensor) else full
+        with torch.no_grad():
+            self._sharded_local.copy_(self.geometry.local_chunk(data.detach()))
+        self._register(self.sharded_param)
+
     def _register(self, tensor: nn.Parameter) -> None:
         # Write the module's parameter dict directly: `setattr` would run nn.Module's
         # __setattr__ and any user hooks on it, neither of which applies to a swap.

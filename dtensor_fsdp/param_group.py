@@ -163,6 +163,22 @@ class FSDPParamGroup:
     def lazy_init(self, ctx: CommContext) -> None:
         self.ctx = ctx
 
+    def rehome_after_apply(self) -> None:
+        """``nn.Module._apply`` replaced the sharded params' local tensors (e.g.
+        ``to_empty`` from meta): build the sharded buffer again where they now live."""
+        locals_ = [p.sharded_param.to_local() for p in self.fsdp_params]
+        device = locals_[0].device
+        if device.type == "meta" or all(
+            p.is_sharded_storage_aliased() for p in self.fsdp_params
+        ) and self.sharded_buffer.device == device:
+            return
+        if self.device.type == "meta":
+            self.device = self.mesh_info.device
+        sizes = [p.padded_shard_nbytes for p in self.fsdp_params]
+        self.sharded_buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        for fsdp_param, segment in zip(self.fsdp_params, self.sharded_buffer.split(sizes), strict=True):
+            fsdp_param.rebind_sharded_storage(segment)
+
     # Runtime #
 
     def unshard(self, async_op: bool = False) -> None:
