@@ -13,6 +13,7 @@ from .api import (
 )
 from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .init import init_unsharded
+from .state_dict import load_full_state_dict, save_full_state_dict
 from .trace import CommEvent, CommTrace, LifecycleEvent
 
 __all__ = [
@@ -29,5 +30,7 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "init_unsharded",
+    "load_full_state_dict",
     "register_fsdp_forward_method",
+    "save_full_state_dict",
 ]

@@ -6,7 +6,7 @@ FSDP2 registers hooks before its parameter checks).
 """
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import MethodType
 from typing import Any, overload
 
@@ -34,6 +34,7 @@ from .mesh import (
 from .param import ParamSlot, ParamToShard, mp_dtypes
 from .param_group import FSDPParamGroup
 from .state import STATE_ATTR, FSDPState, assign_fqns, state_of
+from .state_dict import register_state_dict_hooks, validate_state_dict
 from .trace import CommTrace
 
 
@@ -158,6 +159,7 @@ def fully_shard(
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _fsdp_class(type(m))
     state.register_hooks()
+    register_state_dict_hooks(state)
     return module
 
 
@@ -274,7 +276,7 @@ def _collect_params(
                     found[id(param)] = _param_to_shard(
                         root_name, f"{prefix}{name}", param, mesh_info, shard_placement_fn
                     )
-                found[id(param)].slots.append(ParamSlot(module, name))
+                found[id(param)].slots.append(ParamSlot(module, name, root, f"{prefix}{name}"))
     return list(found.values())
 
 
@@ -443,6 +445,14 @@ class FSDPModule:
         if group is not None:
             group.rehome_after_apply()
         return result
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, atomic: keys, shapes and dtypes are checked for
+        the whole state dict before any value is copied. Values may be sharded DTensors
+        of any placement or plain full tensors."""
+        original_name = type(self).__mro__[2].__name__  # FSDP<cls>, FSDPModule, <cls>
+        validate_state_dict(self, original_name, state_dict, strict)  # type: ignore[arg-type]
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones. Not recursive."""

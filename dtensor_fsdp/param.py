@@ -30,7 +30,7 @@ from enum import Enum, auto
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ._tensor_utils import ShardGeometry, alloc_storage, free_storage
 from .api import MixedPrecisionPolicy
@@ -69,6 +69,8 @@ class ParamSlot:
 
     module: nn.Module
     name: str
+    root: nn.Module  # the module passed to fully_shard that it was found under
+    key: str  # its state-dict key relative to ``root``
 
 
 class FSDPParam:
@@ -378,6 +380,39 @@ class FSDPParam:
         data = full.to_local() if isinstance(full, DTensor) else full
         with torch.no_grad():
             self._sharded_local.copy_(self.geometry.local_chunk(data.detach()))
+        self._register(self.sharded_param)
+
+    # State dicts #
+
+    def to_sharded_value(self, value: torch.Tensor) -> DTensor:
+        """A state-dict value for this parameter, in the sharded param's placements.
+
+        A plain tensor is taken as the full parameter and this rank keeps its chunk; a
+        DTensor with other placements or another mesh is redistributed. No rank sends
+        the whole model to the others.
+        """
+        mesh, placements = self.layout.mesh, self.layout.placements
+        if isinstance(value, DTensor):
+            if value.device_mesh == mesh and tuple(value.placements) == placements:
+                return value
+            value = value.full_tensor() if value.device_mesh != mesh else value
+        if not isinstance(value, DTensor):
+            value = DTensor.from_local(
+                value.to(self._padded_shard.device),
+                mesh,
+                [Replicate()] * mesh.ndim,
+                run_check=False,
+            )
+        return value.redistribute(mesh, placements)
+
+    def adopt_assigned(self) -> None:
+        """After ``load_state_dict(assign=True)`` put a new Parameter in our slots: copy
+        its values into the sharded param, which stays the registered object."""
+        assigned = self.slots[0].module._parameters[self.slots[0].name]
+        if assigned is self.sharded_param or assigned is None:
+            return
+        with torch.no_grad():
+            self._sharded_local.copy_(assigned.to_local())
         self._register(self.sharded_param)
 
     def _register(self, tensor: nn.Parameter) -> None:

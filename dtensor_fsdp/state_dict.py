@@ -1,0 +1,175 @@
+"""State dicts of fully-sharded modules, and a streamed full export.
+
+- ``model.state_dict()`` returns the sharded DTensors under the original FQNs, with no
+  communication and no FSDP-specific key mangling; a pre-hook reshards the group first,
+  so it never returns unsharded parameters (torch's FSDP2 does after a ``no_grad``
+  forward of the root).
+- ``model.load_state_dict(sd)`` takes sharded DTensors (any placements or mesh: they
+  are redistributed) and plain full tensors (each rank keeps its own chunk: no rank
+  broadcasts the model). ``FSDPModule.load_state_dict`` checks keys, shapes and
+  dtypes of everything before it copies anything, so a bad state dict leaves the model
+  as it was (torch's raises after copying the rest). Values are copied into the
+  sharded storage in place: the zero-copy all-gather input stays intact.
+- ``save_full_state_dict(model, path)`` writes a full, unsharded checkpoint from rank 0
+  one tensor at a time (memory: the largest tensor), in the safetensors format, which
+  needs no extra dependency to write; ``load_full_state_dict(path)`` reads it back as a
+  plain state dict for an unsharded model (``safetensors.torch.load_file`` reads it too).
+"""
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .state import FSDPState
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def register_state_dict_hooks(state: FSDPState) -> None:
+    """Hook ``state``'s modules so their state dicts are sharded in and out."""
+    for module in state.modules:
+        module.register_state_dict_pre_hook(_reshard_before_state_dict(state))
+        module.register_load_state_dict_pre_hook(_shard_loaded_values(state, module))
+        module.register_load_state_dict_post_hook(_adopt_assigned(state))
+
+
+def _reshard_before_state_dict(state: FSDPState) -> Callable[..., None]:
+    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if state.group is not None:
+            state.group.reshard()
+
+    return hook
+
+
+def _shard_loaded_values(state: FSDPState, root: nn.Module) -> Callable[..., None]:
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        if state.group is None:
+            return
+        state.group.reshard()
+        for fsdp_param in state.group.fsdp_params:
+            for slot in fsdp_param.slots:
+                key = prefix + slot.key
+                if slot.root is root and key in state_dict:
+                    state_dict[key] = fsdp_param.to_sharded_value(state_dict[key])
+
+    return hook
+
+
+def _adopt_assigned(state: FSDPState) -> Callable[..., None]:
+    def hook(module: nn.Module, incompatible_keys: Any) -> None:
+        if state.group is not None:
+            for fsdp_param in state.group.fsdp_params:
+                fsdp_param.adopt_assigned()
+
+    return hook
+
+
+def validate_state_dict(
+    module: nn.Module, module_name: str, state_dict: Mapping[str, Any], strict: bool
+) -> None:
+    """Raise, naming the keys, if ``state_dict`` cannot load into ``module`` whole.
+
+    Raises:
+        RuntimeError: missing or unexpected keys (``strict``), or a value whose shape or
+            dtype differs from the module's.
+    """
+    expected = module.state_dict()
+    problems = []
+    if strict:
+        missing = sorted(set(expected) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(expected))
+        if missing:
+            problems.append(f"missing keys: {missing}")
+        if unexpected:
+            problems.append(f"unexpected keys: {unexpected}")
+    for key in sorted(set(expected) & set(state_dict)):
+        want, got = expected[key], state_dict[key]
+        if not isinstance(got, torch.Tensor):
+            continue
+        if got.shape != want.shape:
+            problems.append(f"'{key}': shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+        elif got.dtype != want.dtype:
+            problems.append(
+                f"'{key}': dtype {got.dtype}, expected {want.dtype} (cast the state dict first)"
+            )
+    if problems:
+        raise RuntimeError(
+            f"Error(s) loading state_dict for {module_name}; nothing was loaded:\n  "
+            + "\n  ".join(problems)
+        )
+
+
+def save_full_state_dict(module: nn.Module, path: str) -> None:
+    """Write ``module``'s full (unsharded) state dict to ``path`` in the safetensors
+    format, streamed one tensor at a time from rank 0. Every rank must call it (each
+    tensor is all-gathered). The file appears atomically: a crash mid-write leaves no
+    file at ``path``.
+    """
+    state_dict = module.state_dict()
+    header: dict[str, Any] = {}
+    offset = 0
+    for key, value in state_dict.items():
+        nbytes = value.numel() * value.element_size()
+        header[key] = {
+            "dtype": _safetensors_dtype(key, value.dtype),
+            "shape": list(value.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    temporary = f"{path}.tmp"
+    if is_writer:
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the format aligns the data to 8 bytes
+        handle = open(temporary, "wb")
+        handle.write(len(encoded).to_bytes(8, "little"))
+        handle.write(encoded)
+    for value in state_dict.values():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if is_writer:
+            handle.write(full.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+    if is_writer:
+        handle.close()
+        os.replace(temporary, path)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_full_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """Read a file written by `save_full_state_dict` as a plain state dict."""
+    by_name = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+    with open(path, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_size))
+        data = bytearray(f.read())
+    state_dict = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        flat = torch.frombuffer(data, dtype=torch.uint8, count=end - start, offset=start)
+        state_dict[key] = flat.view(by_name[entry["dtype"]]).reshape(entry["shape"]).clone()
+    return state_dict
+
+
+def _safetensors_dtype(key: str, dtype: torch.dtype) -> str:
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"save_full_state_dict: '{key}' has dtype {dtype}, which safetensors cannot hold")
+    return _SAFETENSORS_DTYPES[dtype]

@@ -1,0 +1,310 @@
+"""Our own short multi-process harness for the tests.
+
+Parent side:
+
+- ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, joins them
+  into one gloo group through a ``FileStore`` in a fresh temp directory (no ports), runs
+  ``fn(rank, world_size, *args)`` in each and returns the ranks' return values, in rank
+  order. A child's exception is re-raised in the parent with the rank and the child's
+  traceback; a run past ``timeout`` kills every child and fails, naming what each rank
+  was doing last, so no test hangs.
+- ``scenario_records(run, name)`` picks one scenario's records out of a run of
+  ``run_scenarios`` and fails the calling test with the traceback if it raised.
+- ``fake_mesh(world_size)`` builds a 1D CPU ``DeviceMesh`` of any size in this one
+  process on torch's ``fake`` process group, for unit tests of placements and shapes
+  (collectives return without moving data, so values are meaningless).
+
+Child side (inside ``fn``):
+
+- ``run_scenarios({name: thunk})`` runs several checks in one spawn (spawning costs
+  seconds on two cores), records each one's result or traceback, and keeps the ranks
+  in step between scenarios (see ``run_scenarios``).
+- ``report_progress(text)`` tells the parent what this rank is doing, for timeouts.
+
+Every ``torch.testing._internal`` import lives in this file only: those internals move
+between torch 2.11 and 2.14, and one place is easy to fix.
+
+Results come back through one pipe per rank, pickled with the plain ``pickle`` (torch's
+multiprocessing pickler would pass tensors as shared memory owned by a child that is
+about to exit), and never through exit codes: gloo workers sometimes abort at
+interpreter exit after their work is done ("terminate called without an active
+exception"), so a rank that has sent its result has passed, whatever its exit code
+(see TORCH_NOTES.md, "gloo exit").
+"""
+
+import contextlib
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DEFAULT_TIMEOUT_S = 120.0
+# After the first failure, how long the other ranks get to report their own (often the
+# more telling one) before they are killed; most are blocked in a collective by then.
+_GRACE_AFTER_ERROR_S = 2.0
+# How long a rank waits at the end of a scenario for the others to finish it. Healthy
+# ranks leave their last collective together, so this only runs out when a rank raised
+# and the others are blocked in a collective it will never join.
+_SCENARIO_SYNC_TIMEOUT_S = 30.0
+
+
+class DistributedError(RuntimeError):
+    """A child rank raised, died without reporting, or the run timed out."""
+
+
+# ---------------------------------------------------------------------------
+# Parent side
+# ---------------------------------------------------------------------------
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+
+    Args:
+        fn: a module-level (picklable) function; its return value must be picklable.
+        world_size: number of processes.
+        *args: picklable arguments passed to every rank after ``(rank, world_size)``.
+        timeout: seconds for the whole run, spawn included.
+        threads_per_rank: ``torch.set_num_threads`` in each child, so that ranks do not
+            oversubscribe the cores.
+
+    Returns:
+        Each rank's return value, indexed by rank.
+
+    Raises:
+        DistributedError: with the rank and its traceback if a child raised, or the
+            exit code if it died without reporting, or the silent ranks (and their last
+            progress report) on timeout.
+    """
+    ctx = mp.get_context("spawn")
+    store_dir = tempfile.mkdtemp(prefix="dtensor_fsdp_store_")
+    store_path = os.path.join(store_dir, "store")
+    procs, conns = [], {}
+    outcome = None
+    try:
+        for rank in range(world_size):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child_main,
+                args=(fn, rank, world_size, store_path, threads_per_rank, send_end, args),
+                name=f"rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            # Close our copy of the send end, so a child that dies shows up as EOF.
+            send_end.close()
+            procs.append(proc)
+            conns[recv_end] = rank
+        outcome = _collect(conns, procs, timeout)
+    finally:
+        # Ranks that reported get a moment to exit on their own; after a failure the
+        # others are usually blocked in a collective, so they are killed at once.
+        _stop(procs, patience_s=5.0 if outcome and not outcome.errors else 0.0)
+        for conn in conns:
+            conn.close()
+        shutil.rmtree(store_dir, ignore_errors=True)
+    if outcome.errors:
+        rank, message = outcome.errors[0]
+        others = sorted(r for r, _ in outcome.errors[1:])
+        extra = f" (ranks {others} also failed)" if others else ""
+        raise DistributedError(f"rank {rank} of {world_size} failed{extra}:\n{message}")
+    return [outcome.results[r] for r in range(world_size)]
+
+
+@dataclass
+class _Outcome:
+    results: dict[int, Any]
+    errors: list[tuple[int, str]]  # (rank, message), in order of arrival
+
+
+def _collect(conns: dict[Connection, int], procs: list[mp.Process], timeout: float) -> _Outcome:
+    """Read messages until every rank reports, one fails (plus a grace), or time runs out."""
+    deadline = time.monotonic() + timeout
+    outcome = _Outcome({}, [])
+    progress: dict[int, str] = {}
+    pending = dict(conns)
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            if outcome.errors:
+                break  # the grace after an error ran out: report the error, not a timeout
+            doing = "; ".join(
+                f"rank {r}: {progress.get(r, 'no progress reported')}" for r in sorted(pending.values())
+            )
+            raise DistributedError(
+                f"timed out after {timeout:.0f}s; ranks {sorted(outcome.results)} finished, "
+                f"killed the rest. Last progress: {doing}"
+            )
+        for conn in wait(list(pending), timeout=remaining):
+            rank = pending[conn]
+            try:
+                kind, payload = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                procs[rank].join(timeout=5)
+                kind, payload = "error", (
+                    f"rank {rank} exited (exit code {procs[rank].exitcode}) without reporting; "
+                    f"last progress: {progress.get(rank, 'none')} (a child that cannot import "
+                    f"the test module or unpickle fn dies before reporting: see its stderr)"
+                )
+            if kind == "progress":
+                progress[rank] = payload
+                continue
+            del pending[conn]
+            if kind == "ok":
+                outcome.results[rank] = payload
+            else:
+                outcome.errors.append((rank, payload))
+                deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR_S)
+    return outcome
+
+
+def _stop(procs: list[mp.Process], patience_s: float) -> None:
+    """Give the children ``patience_s`` to exit on their own, then kill the rest."""
+    deadline = time.monotonic() + patience_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
+def scenario_records(run: list[dict[str, tuple[str, Any]]], name: str) -> list[Any]:
+    """Scenario ``name``'s record from every rank of a ``run_scenarios`` run, by rank.
+
+    Fails the calling test with the first failing rank's traceback.
+    """
+    for rank, results in enumerate(run):
+        status, payload = results[name]
+        if status != "ok":
+            pytest.fail(f"scenario {name!r} raised on rank {rank} of {len(run)}:\n{payload}")
+    return [results[name][1] for results in run]
+
+
+# ---------------------------------------------------------------------------
+# Child side
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Child:
+    """This child's channels back to the parent and to its peers."""
+
+    conn: Connection
+    store: dist.Store
+
+
+# Set once in each spawned child by _child_main; None in the parent. A module global
+# because fn's signature is fixed to (rank, world_size, *args).
+_child: _Child | None = None
+
+
+def _child_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_path: str,
+    threads_per_rank: int,
+    conn: Connection,
+    args: tuple[Any, ...],
+) -> None:
+    global _child
+    torch.set_num_threads(threads_per_rank)
+    try:
+        try:
+            store = dist.FileStore(store_path, world_size)
+            _child = _Child(conn, store)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+            message = ("ok", fn(rank, world_size, *args))
+        except BaseException:
+            message = ("error", traceback.format_exc())
+        try:
+            payload = pickle.dumps(message)
+        except Exception:  # an unpicklable return value
+            payload = pickle.dumps(
+                ("error", f"could not pickle rank {rank}'s result:\n{traceback.format_exc()}")
+            )
+        conn.send_bytes(payload)
+    finally:
+        conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def report_progress(text: str) -> None:
+    """Child side: tell the parent what this rank is doing (shown if the run times out)."""
+    assert _child is not None, "report_progress is for code run by run_distributed"
+    _child.conn.send_bytes(pickle.dumps(("progress", text)))
+
+
+def run_scenarios(scenarios: dict[str, Callable[[], Any]]) -> dict[str, tuple[str, Any]]:
+    """Child side: run each thunk in order; ``{name: ("ok", result) | ("error", traceback)}``.
+
+    A scenario that raises on every rank is recorded and the next one runs, so one bug
+    fails one test. After each scenario the ranks meet in the store (not in a collective,
+    which would pair up with whatever a stuck rank is blocked on). If a rank raised and
+    the others do not arrive, they are blocked in a collective it will never join: it
+    raises, so the whole run fails fast with its traceback instead of timing out.
+    """
+    assert _child is not None, "run_scenarios is for code run by run_distributed"
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    results: dict[str, tuple[str, Any]] = {}
+    for name, scenario in scenarios.items():
+        report_progress(f"running scenario {name!r}")
+        try:
+            results[name] = ("ok", scenario())
+        except Exception:
+            results[name] = ("error", traceback.format_exc())
+        _child.store.set(f"scenario/{name}/{rank}", results[name][0])
+        keys = [f"scenario/{name}/{r}" for r in range(world_size)]
+        try:
+            _child.store.wait(keys, timedelta(seconds=_SCENARIO_SYNC_TIMEOUT_S))
+        except Exception as exc:
+            own = results[name][1] if results[name][0] == "error" else "(this rank passed)"
+            raise DistributedError(
+                f"scenario {name!r}: other ranks did not finish it within "
+                f"{_SCENARIO_SYNC_TIMEOUT_S:.0f}s; this rank's outcome:\n{own}"
+            ) from exc
+    return results
+
+
+# ---------------------------------------------------------------------------
+# Single process, fake process group
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fake_mesh(world_size: int, rank: int = 0) -> Iterator[DeviceMesh]:
+    """A 1D CPU mesh of ``world_size`` ranks in this process, on the ``fake`` backend.
+
+    This process plays ``rank``. Collectives complete without communicating, so only
+    metadata (placements, shapes, dtypes) is meaningful. The group is destroyed on exit.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_mesh: a default process group already exists in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
