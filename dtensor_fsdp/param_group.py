@@ -389,12 +389,15 @@ class FSDPParamGroup:
         with_grad = [p for p, grad in to_reduce if grad is not None]
         if not with_grad:
             return
+        reduce_dtype = with_grad[0].reduce_dtype
         plan = ReduceScatterPlan.choose(
             self.mesh_info.shard_group,
-            prefer_average=self.gradient_divide_factor is None and not self.force_sum_reduction,
+            # fp16 could overflow while the collective sums: it pre-divides instead.
+            prefer_average=self.gradient_divide_factor is None
+            and not self.force_sum_reduction
+            and reduce_dtype != torch.float16,
             custom=self.custom_reduce_scatter,
         )
-        reduce_dtype = with_grad[0].reduce_dtype
         grads = [grad.to(reduce_dtype) for _, grad in to_reduce if grad is not None]
         pre_divisor, post_divisor = self._divisors(plan, reduce_dtype)
         if pre_divisor != 1.0:
