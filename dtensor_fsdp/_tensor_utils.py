@@ -53,7 +53,9 @@ class ShardGeometry:
     def padded_unsharded_shape(self) -> torch.Size:
         """W padded chunks stacked along ``dim``: what the all-gather output becomes."""
         local = self.padded_local_shape
-        return torch.Size((*local[: self.dim], self.world_size * local[self.dim], *local[self.dim + 1 :]))
+        return torch.Size(
+            (*local[: self.dim], self.world_size * local[self.dim], *local[self.dim + 1 :])
+        )
 
     @property
     def padded_shard_numel(self) -> int:

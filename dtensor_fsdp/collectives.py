@@ -28,9 +28,7 @@ from .api import AllGather, ReduceScatter
 # torch 2.13 renamed the single-tensor collectives and deprecated the old names; 2.11
 # has only the old ones. Same signature either way.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = (
-    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -54,11 +52,15 @@ class ReduceScatterPlan:
         group: dist.ProcessGroup, *, prefer_average: bool, custom: ReduceScatter | None
     ) -> "ReduceScatterPlan":
         if custom is not None:
-            return ReduceScatterPlan(use_all_to_all=False, average_in_collective=False, custom=custom)
+            return ReduceScatterPlan(
+                use_all_to_all=False, average_in_collective=False, custom=custom
+            )
         backend = dist.get_backend(group)
         if backend == "gloo":
             return ReduceScatterPlan(use_all_to_all=True, average_in_collective=False)
-        return ReduceScatterPlan(use_all_to_all=False, average_in_collective=prefer_average and backend == "nccl")
+        return ReduceScatterPlan(
+            use_all_to_all=False, average_in_collective=prefer_average and backend == "nccl"
+        )
 
 
 @dataclass(frozen=True)
@@ -85,14 +87,19 @@ def all_gather(
     device = all_gather_input.device
     if custom is not None:
         output = custom.allocate(size, dtype=torch.uint8, device=device)
-        return AllGatherResult(output=output, work=custom(output, all_gather_input, group, async_op=True))
+        return AllGatherResult(
+            output=output, work=custom(output, all_gather_input, group, async_op=True)
+        )
     output = torch.empty(size, dtype=torch.uint8, device=device)
     work = _all_gather_single(output, all_gather_input, group=group, async_op=True)
     return AllGatherResult(output=output, work=work)
 
 
 def copy_out(
-    all_gather_output: torch.Tensor, world_size: int, split_nbytes: list[int], outputs: list[torch.Tensor]
+    all_gather_output: torch.Tensor,
+    world_size: int,
+    split_nbytes: list[int],
+    outputs: list[torch.Tensor],
 ) -> None:
     """Scatter the rank-major all-gather output into each parameter's padded buffer.
 

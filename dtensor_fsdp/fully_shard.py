@@ -1,19 +1,19 @@
 """fully_shard(), FSDPModule, UnshardHandle and register_fsdp_forward_method.
 
-``fully_shard`` validates everything and builds the sharded parameters off to the side
-before it changes anything, so an error leaves the module exactly as it was (torch's
-FSDP2 registers hooks before its parameter checks).
+``fully_shard`` validates everything (validation.py) and builds the sharded parameters
+off to the side before it changes anything, so an error leaves the module exactly as it
+was (torch's FSDP2 registers hooks before its parameter checks).
 """
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from types import MethodType
 from typing import Any, overload
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from .api import (
     AllGather,
@@ -23,19 +23,13 @@ from .api import (
     ReduceScatter,
 )
 from .mesh import (
-    MeshInfo,
-    default_mesh,
-    mesh_info_for,
     post_forward_mesh_info,
-    spmd_layout,
-    spmd_mesh_info,
-    validate_post_forward_size,
 )
-from .param import ParamSlot, ParamToShard, mp_dtypes
 from .param_group import FSDPParamGroup
 from .state import STATE_ATTR, FSDPState, assign_fqns, state_of
 from .state_dict import register_state_dict_hooks, validate_state_dict
 from .trace import CommTrace
+from .validation import mark_replaced, plan_sharding
 
 
 @overload
@@ -116,17 +110,17 @@ def fully_shard(
             parameter or buffer is on a device other than the mesh's.
         NotImplementedError: an argument needs a capability not built yet.
     """
-    modules = _validate_modules(module)
-    _reject_unsupported(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
-    mesh_info = _mesh_info(mesh, dp_mesh_dims)
-    device = mesh_info.device
-    ignored = set(ignored_params or ())
-    params = _collect_params(modules, ignored, mesh_info, shard_placement_fn)
-    _validate_reduce_dtypes(params, mp_policy)
-    _validate_devices(params, device)
-    buffers = _moved_buffers(modules, device)
-    param_device = _param_device(params, device)
-    is_hpz = _is_hpz(reshard_after_forward, mesh_info)
+    plan = plan_sharding(
+        module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=ignored_params,
+        dp_mesh_dims=dp_mesh_dims,
+    )
+    modules, params, mesh_info = plan.modules, plan.params, plan.mesh_info
 
     # Everything below mutates: nothing in it may raise on user input.
     group = (
@@ -134,26 +128,31 @@ def fully_shard(
             params,
             modules,
             mesh_info,
-            param_device,
-            reshard_after_forward=_reshards_after_forward(reshard_after_forward),
+            plan.param_device,
+            reshard_after_forward=plan.reshard_after_forward,
             fqn="",
             mp_policy=mp_policy,
             offload_policy=offload_policy,
             post_forward_mesh_info=(
-                post_forward_mesh_info(mesh_info, reshard_after_forward) if is_hpz else None
+                post_forward_mesh_info(mesh_info, plan.post_forward_size)
+                if plan.post_forward_size is not None
+                else None
             ),
         )
         if params
         else None
     )
     state = FSDPState(
-        modules, group, auto_reshard_after_forward=reshard_after_forward is None, mp_policy=mp_policy
+        modules,
+        group,
+        auto_reshard_after_forward=reshard_after_forward is None,
+        mp_policy=mp_policy,
     )
     if group is not None:
         group.to_sharded_modules()
         for source in params:
-            setattr(source.original, _REPLACED_ATTR, f"{source.fqn} of {type(modules[0]).__name__}")
-    for owner, name, tensor in buffers:
+            mark_replaced(source, type(modules[0]).__name__)
+    for owner, name, tensor in plan.moved_buffers:
         owner._buffers[name] = tensor
     for m in modules:
         m.__dict__[STATE_ATTR] = state
@@ -161,242 +160,6 @@ def fully_shard(
     state.register_hooks()
     register_state_dict_hooks(state)
     return module
-
-
-# A tombstone on each original parameter a group replaced. A module outside the group
-# that still holds the original (a tie across groups: embedding and head in different
-# groups) would otherwise get a second, separately sharded copy of it, silently training
-# two weights. Only the retired original carries it; FSDP's own state lives on FSDPParam.
-_REPLACED_ATTR = "_dtensor_fsdp_sharded_as"
-
-
-# Validation #
-
-
-def _mesh_info(mesh: DeviceMesh | None, dp_mesh_dims: DataParallelMeshDims | None) -> MeshInfo:
-    if dp_mesh_dims is None:
-        return mesh_info_for(mesh if mesh is not None else default_mesh())
-    if mesh is None:
-        raise ValueError("dp_mesh_dims names axes of the mesh argument: pass the full SPMD mesh")
-    return spmd_mesh_info(mesh, dp_mesh_dims)
-
-
-def _reshards_after_forward(reshard_after_forward: bool | int | None) -> bool:
-    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
-        return reshard_after_forward is not False
-    return reshard_after_forward > 1  # an int: the post-forward world size; 1 keeps all
-
-
-def _is_hpz(reshard_after_forward: bool | int | None, mesh_info: MeshInfo) -> bool:
-    """Whether ``reshard_after_forward`` asks to reshard to a strictly smaller mesh.
-
-    As in torch, an int equal to the shard world size means True, and 1 means False.
-    """
-    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
-        return False
-    validate_post_forward_size(mesh_info, reshard_after_forward)
-    return 1 < reshard_after_forward < mesh_info.shard_size
-
-
-def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
-    if isinstance(module, nn.Module):
-        modules: tuple[Any, ...] = (module,)
-    elif isinstance(module, (list, tuple)) and module:
-        modules = tuple(module)
-    else:
-        raise TypeError(
-            f"fully_shard expects an nn.Module or a non-empty list of nn.Modules, "
-            f"got {type(module).__name__}"
-        )
-    for m in modules:
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__} in the list")
-        if state_of(m) is not None:
-            original_name = type(m).__mro__[2].__name__  # FSDP<cls>, FSDPModule, <cls>
-            raise ValueError(
-                f"fully_shard was already applied to this {original_name} module; a module "
-                "can be passed to fully_shard once. To change its grouping, build the model "
-                "again and call fully_shard([module_a, module_b]) for one group of both"
-            )
-    return modules
-
-
-def _reject_unsupported(
-    reshard_after_forward: Any,
-    shard_placement_fn: Any,
-    mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy,
-) -> None:
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
-        raise TypeError(
-            f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}"
-        )
-    if shard_placement_fn is not None and not callable(shard_placement_fn):
-        raise TypeError(f"shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}")
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
-        dtype = getattr(mp_policy, field)
-        if dtype is not None and not dtype.is_floating_point:
-            raise ValueError(f"MixedPrecisionPolicy.{field} must be a floating-point dtype, got {dtype}")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
-
-
-def _walk(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(prefix, module) for ``root``'s subtree, skipping subtrees an earlier
-    ``fully_shard`` already owns: their parameters belong to their groups."""
-    stack: list[tuple[str, nn.Module]] = [("", root)]
-    while stack:
-        prefix, module = stack.pop()
-        yield prefix, module
-        children = [
-            (f"{prefix}{name}.", child)
-            for name, child in module.named_children()
-            if state_of(child) is None
-        ]
-        stack.extend(reversed(children))
-
-
-def _collect_params(
-    modules: tuple[nn.Module, ...],
-    ignored: set[nn.Parameter],
-    mesh_info: MeshInfo,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-) -> list[ParamToShard]:
-    """Each parameter this call manages, once, with every slot it is registered in."""
-    found: dict[int, ParamToShard] = {}
-    for root in modules:
-        root_name = type(root).__name__
-        for prefix, module in _walk(root):
-            for name, param in module._parameters.items():
-                if param is None or param in ignored:
-                    continue
-                if id(param) not in found:
-                    found[id(param)] = _param_to_shard(
-                        root_name, f"{prefix}{name}", param, mesh_info, shard_placement_fn
-                    )
-                found[id(param)].slots.append(ParamSlot(module, name, root, f"{prefix}{name}"))
-    return list(found.values())
-
-
-def _param_to_shard(
-    root_name: str,
-    fqn: str,
-    param: nn.Parameter,
-    mesh_info: MeshInfo,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-) -> ParamToShard:
-    sharded_as = getattr(param, _REPLACED_ATTR, None)
-    if sharded_as is not None:
-        raise ValueError(
-            f"fully_shard({root_name}): parameter '{fqn}' is shared with a module that an "
-            f"earlier fully_shard call sharded (as '{sharded_as}'). A shared parameter must be "
-            "in one group: call fully_shard on the modules' common ancestor only, or "
-            "fully_shard([module_a, module_b])"
-        )
-    data = param.to_local() if isinstance(param, DTensor) else param
-    if data.dim() == 0:
-        raise ValueError(
-            f"fully_shard({root_name}): parameter '{fqn}' is 0-dimensional and cannot be "
-            "sharded on dim 0; pass it in ignored_params"
-        )
-    shard_dim = _shard_dim(root_name, fqn, data, mesh_info, shard_placement_fn, param)
-    try:
-        layout = spmd_layout(mesh_info, param, fqn, shard_dim)
-    except ValueError as error:
-        raise ValueError(f"fully_shard({root_name}): {error}") from None
-    return ParamToShard(fqn, param, [], layout, shard_dim)
-
-
-def _shard_dim(
-    root_name: str,
-    fqn: str,
-    data: torch.Tensor,
-    mesh_info: MeshInfo,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-    param: nn.Parameter,
-) -> int:
-    """The dim ``shard_placement_fn`` picks for ``param`` (0 by default), validated."""
-    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
-    if placement is None:
-        return 0
-    if type(placement) is not Shard:
-        raise TypeError(
-            f"fully_shard({root_name}): shard_placement_fn returned {placement!r} for parameter "
-            f"'{fqn}'; return a Shard(dim) or None (a custom mesh per parameter is not supported)"
-        )
-    dim = placement.dim + data.dim() if placement.dim < 0 else placement.dim
-    if not 0 <= dim < data.dim():
-        raise ValueError(
-            f"fully_shard({root_name}): shard_placement_fn returned Shard({placement.dim}) for "
-            f"parameter '{fqn}' of {data.dim()} dims"
-        )
-    size, world_size = data.shape[dim], mesh_info.shard_size
-    if dim != 0 and size % world_size != 0:
-        raise ValueError(
-            f"fully_shard({root_name}): parameter '{fqn}' has size {size} on dim {dim}, which "
-            f"the shard world size {world_size} does not divide; Shard(dim != 0) needs an even "
-            "split. Return None from shard_placement_fn for it (Shard(0), padded if uneven)"
-        )
-    return dim
-
-
-def _validate_reduce_dtypes(params: list[ParamToShard], mp_policy: MixedPrecisionPolicy) -> None:
-    # One reduce-scatter per group needs one gradient dtype.
-    dtypes = {mp_dtypes(mp_policy, p.data.dtype)[1]: p.fqn for p in params if p.original.requires_grad}
-    if len(dtypes) > 1:
-        named = ", ".join(f"'{fqn}' ({dtype})" for dtype, fqn in dtypes.items())
-        raise NotImplementedError(
-            f"fully_shard: trainable parameters of one group have different dtypes: {named}. "
-            "Shard them in separate fully_shard calls, cast the module to one dtype, or set "
-            "MixedPrecisionPolicy(reduce_dtype=...)"
-        )
-
-
-def _validate_devices(params: list[ParamToShard], device: torch.device) -> None:
-    for source in params:
-        _check_device(f"parameter '{source.fqn}'", source.data, device)
-    kinds = {source.data.device.type == "meta" for source in params}
-    if len(kinds) > 1:
-        raise ValueError(
-            "fully_shard: some parameters of this group are on the meta device and some are "
-            "not; initialize them all on meta (then to_empty after fully_shard) or none"
-        )
-
-
-def _check_device(what: str, tensor: torch.Tensor, device: torch.device) -> None:
-    # CPU tensors are moved to an accelerator mesh's device, as torch's fully_shard does;
-    # meta tensors stay on meta. Anything else on another device is a mistake.
-    if tensor.device.type in ("meta", device.type) and (
-        tensor.device.index is None or device.index is None or tensor.device == device
-    ):
-        return
-    if tensor.device.type == "cpu":
-        return
-    raise ValueError(
-        f"fully_shard: {what} is on {tensor.device}, but the mesh's device is {device}. "
-        f"Move the module to {device} before fully_shard (module.to({str(device)!r})), or "
-        f"build the mesh for device type {tensor.device.type!r}"
-    )
-
-
-def _moved_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    moved = []
-    for root in modules:
-        for prefix, module in _walk(root):
-            for name, buffer in module._buffers.items():
-                if buffer is None or buffer.device.type == "meta" or buffer.device == device:
-                    continue
-                _check_device(f"buffer '{prefix}{name}'", buffer, device)
-                moved.append((module, name, buffer.to(device)))
-    return moved
-
-
-def _param_device(params: list[ParamToShard], device: torch.device) -> torch.device:
-    if params and params[0].data.device.type == "meta":
-        return torch.device("meta")
-    return device
 
 
 @functools.cache
@@ -446,7 +209,9 @@ class FSDPModule:
             group.rehome_after_apply()
         return result
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
         """``nn.Module.load_state_dict``, atomic: keys, shapes and dtypes are checked for
         the whole state dict before any value is copied. Values may be sharded DTensors
         of any placement or plain full tensors."""
@@ -484,7 +249,9 @@ class FSDPModule:
         reduce-scatters may still be in flight when backward returns."""
         self._get_fsdp_state().is_last_backward = is_last_backward
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """Whether backward reduce-scatters gradients. ``False`` accumulates unsharded
         gradients locally (gradient accumulation without communication)."""
         for state in self._fsdp_states(recurse):
@@ -508,7 +275,9 @@ class FSDPModule:
             if state.group is not None:
                 state.group.reshard_after_forward = reshard_after_forward
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
         """Whether to free the unsharded parameters after backward. ``False`` keeps them
         for the next forward (gradient accumulation without re-all-gathering)."""
         for state in self._fsdp_states(recurse):
@@ -524,7 +293,9 @@ class FSDPModule:
         instead of the default (the module that ran before this one in forward)."""
         self._get_fsdp_state().backward_prefetch = [_state_for_prefetch(m) for m in modules]
 
-    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
         """How many reduce-scatters may be in flight before the oldest is waited on."""
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
@@ -557,7 +328,9 @@ class FSDPModule:
         for group in self._own_groups():
             group.custom_reduce_scatter = comm
 
-    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
         """Call ``hook(reduce_output)`` on this group's reduced gradients, in place,
         before they land on ``.grad``: the reduce-scatter output (FSDP) or the
         all-reduce output (HSDP), 1-D. Not recursive.
@@ -599,7 +372,9 @@ class FSDPModule:
             if state.group is not None:
                 state.group.force_sum_reduction = enable
 
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
         """Reduce-scatter zeros for trainable parameters that got no gradient, so ranks
         that used different parameters (conditional compute, MoE) still issue the same
         collective. Like DDP's ``find_unused_parameters``."""

@@ -119,14 +119,23 @@ def spmd_mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims) -> Mesh
     """MeshInfo for ``fully_shard(mesh=full_mesh, dp_mesh_dims=...)``: shard (and for
     HSDP replicate) over the named axes of the full SPMD mesh."""
     if not isinstance(dp_mesh_dims, DataParallelMeshDims):
-        raise TypeError(f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dp_mesh_dims).__name__}")
+        raise TypeError(
+            f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dp_mesh_dims).__name__}"
+        )
     names = mesh.mesh_dim_names
-    shard, replicate = _one_name(dp_mesh_dims.shard, "shard"), _one_name(dp_mesh_dims.replicate, "replicate")
+    shard, replicate = (
+        _one_name(dp_mesh_dims.shard, "shard"),
+        _one_name(dp_mesh_dims.replicate, "replicate"),
+    )
     if shard is None:
-        raise NotImplementedError("dp_mesh_dims without a shard axis (pure replication, DDP) is not supported")
+        raise NotImplementedError(
+            "dp_mesh_dims without a shard axis (pure replication, DDP) is not supported"
+        )
     missing = [n for n in (shard, replicate) if n is not None and n not in (names or ())]
     if missing:
-        raise ValueError(f"dp_mesh_dims names {missing}, which mesh {mesh} (dims {names}) does not have")
+        raise ValueError(
+            f"dp_mesh_dims names {missing}, which mesh {mesh} (dims {names}) does not have"
+        )
     assert names is not None
     dp_names = (shard,) if replicate is None else (replicate, shard)
     dp_info = mesh_info_for(mesh[dp_names])
@@ -150,11 +159,15 @@ def _one_name(names: str | tuple[str, ...] | None, role: str) -> str | None:
     )
 
 
-def _spmd_dims_layout(mesh_info: MeshInfo, param: torch.Tensor, fqn: str, shard_dim: int) -> SpmdLayout:
+def _spmd_dims_layout(
+    mesh_info: MeshInfo, param: torch.Tensor, fqn: str, shard_dim: int
+) -> SpmdLayout:
     """dp_mesh_dims: ``param`` is a DTensor on the full mesh, Replicate on the DP axes."""
     spmd_mesh = mesh_info.spmd_mesh
     if not isinstance(param, DTensor) or param.device_mesh != spmd_mesh:
-        where = f"a DTensor on {param.device_mesh}" if isinstance(param, DTensor) else "a plain tensor"
+        where = (
+            f"a DTensor on {param.device_mesh}" if isinstance(param, DTensor) else "a plain tensor"
+        )
         raise ValueError(
             f"parameter '{fqn}' is {where}; with dp_mesh_dims every parameter must be a DTensor "
             f"on the mesh passed to fully_shard ({spmd_mesh}), e.g. via distribute_module"
@@ -174,7 +187,9 @@ def _spmd_dims_layout(mesh_info: MeshInfo, param: torch.Tensor, fqn: str, shard_
         if isinstance(placements[axis], Shard) and placements[axis].dim == shard_dim
     )
     placements[shard_axis] = (
-        _StridedShard(shard_dim, split_factor=split_factor) if split_factor > 1 else Shard(shard_dim)
+        _StridedShard(shard_dim, split_factor=split_factor)
+        if split_factor > 1
+        else Shard(shard_dim)
     )
     return SpmdLayout(
         spmd_mesh,

@@ -218,7 +218,9 @@ class FSDPParam:
         if self.geometry.dim == 0 or is_post_forward:
             return self.unsharded_rows(world_size)
         self._copy_out_staging = torch.empty(
-            (world_size, self.all_gather_nbytes), dtype=torch.uint8, device=self._padded_shard.device
+            (world_size, self.all_gather_nbytes),
+            dtype=torch.uint8,
+            device=self._padded_shard.device,
         )
         return self._copy_out_staging
 
@@ -233,7 +235,9 @@ class FSDPParam:
         target.copy_(chunks.movedim(0, dim))
 
     def alloc_unsharded(self) -> None:
-        alloc_storage(self._padded_unsharded, self._padded_unsharded.numel() * self.param_dtype.itemsize)
+        alloc_storage(
+            self._padded_unsharded, self._padded_unsharded.numel() * self.param_dtype.itemsize
+        )
 
     def to_unsharded(self) -> None:
         self._register(self.unsharded_param)
@@ -279,7 +283,9 @@ class FSDPParam:
 
     def zero_grad_to_reduce(self) -> torch.Tensor:
         """Zeros in place of the grad of a parameter unused this step."""
-        zeros = torch.zeros(self.shape, dtype=self.param_dtype, device=self._padded_unsharded.device)
+        zeros = torch.zeros(
+            self.shape, dtype=self.param_dtype, device=self._padded_unsharded.device
+        )
         return self._arranged_for_reduce_scatter(zeros)
 
     def _arranged_for_reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
@@ -427,7 +433,9 @@ class FSDPParam:
         )
 
 
-def mp_dtypes(mp_policy: MixedPrecisionPolicy, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+def mp_dtypes(
+    mp_policy: MixedPrecisionPolicy, dtype: torch.dtype
+) -> tuple[torch.dtype, torch.dtype]:
     """(param_dtype, reduce_dtype) of a parameter of ``dtype``: the policy applies to
     floating-point parameters; reduce_dtype defaults to param_dtype, as in torch."""
     if not dtype.is_floating_point:

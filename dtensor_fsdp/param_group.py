@@ -142,8 +142,14 @@ class FSDPParamGroup:
         ]
         # Pinned host memory lets the offload copies run asynchronously; pinning needs
         # an accelerator, so a CPU mesh just uses ordinary memory.
-        pin = self.offload is not None and self.offload.pin_memory and self.device.type not in ("cpu", "meta")
-        self.sharded_buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin)
+        pin = (
+            self.offload is not None
+            and self.offload.pin_memory
+            and self.device.type not in ("cpu", "meta")
+        )
+        self.sharded_buffer = torch.empty(
+            sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin
+        )
         segments = self.sharded_buffer.split(sizes)  # each (padded_shard_nbytes,)
         return [
             FSDPParam(source, self.mesh_info, segment, mp_policy)
@@ -168,15 +174,19 @@ class FSDPParamGroup:
         ``to_empty`` from meta): build the sharded buffer again where they now live."""
         locals_ = [p.sharded_param.to_local() for p in self.fsdp_params]
         device = locals_[0].device
-        if device.type == "meta" or all(
-            p.is_sharded_storage_aliased() for p in self.fsdp_params
-        ) and self.sharded_buffer.device == device:
+        if (
+            device.type == "meta"
+            or all(p.is_sharded_storage_aliased() for p in self.fsdp_params)
+            and self.sharded_buffer.device == device
+        ):
             return
         if self.device.type == "meta":
             self.device = self.mesh_info.device
         sizes = [p.padded_shard_nbytes for p in self.fsdp_params]
         self.sharded_buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        for fsdp_param, segment in zip(self.fsdp_params, self.sharded_buffer.split(sizes), strict=True):
+        for fsdp_param, segment in zip(
+            self.fsdp_params, self.sharded_buffer.split(sizes), strict=True
+        ):
             fsdp_param.rebind_sharded_storage(segment)
 
     # Runtime #
@@ -194,7 +204,9 @@ class FSDPParamGroup:
         source = self._all_gather_source_now()
         self._record("unshard")
         self._all_gather_issued_s = time.perf_counter()
-        self._all_gather = all_gather(source.input, source.mesh_info.shard_group, self.custom_all_gather)
+        self._all_gather = all_gather(
+            source.input, source.mesh_info.shard_group, self.custom_all_gather
+        )
         self._all_gather_source = source
         if not async_op:
             self.wait_for_unshard()
@@ -354,9 +366,18 @@ class FSDPParamGroup:
             sum(self._all_gather_split), dtype=torch.uint8, device=sharded.device
         )  # (sum of all_gather_nbytes,)
         destinations = all_gather_input.split(self._all_gather_split)
-        sources = dict(zip(self.fsdp_params, sharded.split([p.padded_shard_nbytes for p in self.fsdp_params]), strict=True))
+        sources = dict(
+            zip(
+                self.fsdp_params,
+                sharded.split([p.padded_shard_nbytes for p in self.fsdp_params]),
+                strict=True,
+            )
+        )
         torch._foreach_copy_(
-            [p.all_gather_input_view(dst) for p, dst in zip(self._all_gather_order, destinations, strict=True)],
+            [
+                p.all_gather_input_view(dst)
+                for p, dst in zip(self._all_gather_order, destinations, strict=True)
+            ],
             [p.padded_shard_view(sources[p]) for p in self._all_gather_order],
         )
         return all_gather_input
@@ -385,7 +406,10 @@ class FSDPParamGroup:
         if self.reduce_scatter_unused_params:
             # Every rank must issue the same collective even if some rank left a
             # parameter unused this step (conditional compute, MoE): send zeros.
-            to_reduce = [(p, p.zero_grad_to_reduce() if g is None and p.requires_grad else g) for p, g in to_reduce]
+            to_reduce = [
+                (p, p.zero_grad_to_reduce() if g is None and p.requires_grad else g)
+                for p, g in to_reduce
+            ]
         with_grad = [p for p, grad in to_reduce if grad is not None]
         if not with_grad:
             return
@@ -403,7 +427,9 @@ class FSDPParamGroup:
         if pre_divisor != 1.0:
             grads = torch._foreach_div(grads, pre_divisor)
         issued_s = time.perf_counter()
-        result = reduce_scatter(grads, reduce_dtype, self.mesh_info.shard_group, plan, async_op=True)
+        result = reduce_scatter(
+            grads, reduce_dtype, self.mesh_info.shard_group, plan, async_op=True
+        )
         # The grads now live in the reduce-scatter input: free the unsharded ones.
         for fsdp_param in with_grad:
             fsdp_param.clear_unsharded_grad()
@@ -426,7 +452,11 @@ class FSDPParamGroup:
         return 1.0, divisor
 
     def _finish_reduce_scatter(
-        self, result: ReduceScatterResult, with_grad: list[FSDPParam], post_divisor: float, issued_s: float
+        self,
+        result: ReduceScatterResult,
+        with_grad: list[FSDPParam],
+        post_divisor: float,
+        issued_s: float,
     ) -> None:
         wait_s = time.perf_counter()
         if result.work is not None:
@@ -436,7 +466,9 @@ class FSDPParamGroup:
         params = with_grad
         if self.mesh_info.is_hsdp:
             if not self.requires_all_reduce:
-                for fsdp_param, chunk in zip(with_grad, self._split(reduced, with_grad), strict=True):
+                for fsdp_param, chunk in zip(
+                    with_grad, self._split(reduced, with_grad), strict=True
+                ):
                     fsdp_param.accumulate_partial_grad(chunk)
                 return
             params, reduced = self._all_reduce_over_replicas(
@@ -467,7 +499,9 @@ class FSDPParamGroup:
         parts = []
         for fsdp_param in params:
             chunk, partial = chunks.get(fsdp_param), fsdp_param.partial_reduced_grad
-            parts.append(chunk if partial is None else partial if chunk is None else partial + chunk)
+            parts.append(
+                chunk if partial is None else partial if chunk is None else partial + chunk
+            )
             fsdp_param.partial_reduced_grad = None
         flat = torch.cat(parts)  # (sum of padded chunk numels,)
         issued_s = time.perf_counter()

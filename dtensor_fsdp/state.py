@@ -179,7 +179,9 @@ class FSDPState:
     def _wait_for_offloaded_grads(self) -> None:
         # CPU offload copies sharded grads device-to-host without blocking; the
         # optimizer reads them on the host right after backward returns.
-        offloaded = [s.group for s in self.states_in_tree if s.group is not None and s.group.offload]
+        offloaded = [
+            s.group for s in self.states_in_tree if s.group is not None and s.group.offload
+        ]
         if offloaded and offloaded[0].device.type not in ("cpu", "meta"):
             getattr(torch, offloaded[0].device.type).current_stream().synchronize()
 

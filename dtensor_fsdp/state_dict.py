@@ -144,7 +144,9 @@ def save_full_state_dict(module: nn.Module, path: str) -> None:
     for value in state_dict.values():
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if is_writer:
-            handle.write(full.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+            handle.write(
+                full.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
+            )
     if is_writer:
         handle.close()
         os.replace(temporary, path)
@@ -171,5 +173,7 @@ def load_full_state_dict(path: str) -> dict[str, torch.Tensor]:
 
 def _safetensors_dtype(key: str, dtype: torch.dtype) -> str:
     if dtype not in _SAFETENSORS_DTYPES:
-        raise ValueError(f"save_full_state_dict: '{key}' has dtype {dtype}, which safetensors cannot hold")
+        raise ValueError(
+            f"save_full_state_dict: '{key}' has dtype {dtype}, which safetensors cannot hold"
+        )
     return _SAFETENSORS_DTYPES[dtype]

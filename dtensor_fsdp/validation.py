@@ -1,0 +1,320 @@
+"""plan_sharding: everything fully_shard checks, before it changes anything.
+
+It returns a `ShardingPlan` (what to shard, where, how) or raises an error that names
+the module or parameter and the fix; fully_shard then applies the plan in one step, so
+a rejected call leaves the module exactly as it was.
+"""
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .mesh import (
+    MeshInfo,
+    default_mesh,
+    mesh_info_for,
+    spmd_layout,
+    spmd_mesh_info,
+    validate_post_forward_size,
+)
+from .param import ParamSlot, ParamToShard, mp_dtypes
+from .state import state_of
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """A validated fully_shard call."""
+
+    modules: tuple[nn.Module, ...]
+    mesh_info: MeshInfo
+    params: list[ParamToShard]
+    moved_buffers: list[tuple[nn.Module, str, torch.Tensor]]  # (owner, name, moved copy)
+    param_device: torch.device  # where the sharded params go (meta stays meta)
+    reshard_after_forward: bool
+    post_forward_size: int | None  # hpZ: the smaller world size after forward
+
+
+def plan_sharding(
+    module: Any,
+    *,
+    mesh: DeviceMesh | None,
+    reshard_after_forward: bool | int | None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    ignored_params: set[nn.Parameter] | None,
+    dp_mesh_dims: DataParallelMeshDims | None,
+) -> ShardingPlan:
+    """Validate a fully_shard call (same arguments) and plan it."""
+    modules = _validate_modules(module)
+    _validate_policies(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
+    mesh_info = _mesh_info(mesh, dp_mesh_dims)
+    device = mesh_info.device
+    params = _collect_params(modules, set(ignored_params or ()), mesh_info, shard_placement_fn)
+    _validate_reduce_dtypes(params, mp_policy)
+    _validate_devices(params, device)
+    return ShardingPlan(
+        modules=modules,
+        mesh_info=mesh_info,
+        params=params,
+        moved_buffers=_moved_buffers(modules, device),
+        param_device=_param_device(params, device),
+        reshard_after_forward=_reshards_after_forward(reshard_after_forward),
+        post_forward_size=(
+            reshard_after_forward if _is_hpz(reshard_after_forward, mesh_info) else None  # type: ignore[arg-type]
+        ),
+    )
+
+
+def mark_replaced(source: ParamToShard, group_name: str) -> None:
+    """Leave the tombstone (see `_REPLACED_ATTR`) on an original the group replaced."""
+    setattr(source.original, _REPLACED_ATTR, f"{source.fqn} of {group_name}")
+
+
+# A tombstone on each original parameter a group replaced. A module outside the group
+# that still holds the original (a tie across groups: embedding and head in different
+# groups) would otherwise get a second, separately sharded copy of it, silently training
+# two weights. Only the retired original carries it; FSDP's own state lives on FSDPParam.
+_REPLACED_ATTR = "_dtensor_fsdp_sharded_as"
+
+
+def _mesh_info(mesh: DeviceMesh | None, dp_mesh_dims: DataParallelMeshDims | None) -> MeshInfo:
+    if dp_mesh_dims is None:
+        return mesh_info_for(mesh if mesh is not None else default_mesh())
+    if mesh is None:
+        raise ValueError("dp_mesh_dims names axes of the mesh argument: pass the full SPMD mesh")
+    return spmd_mesh_info(mesh, dp_mesh_dims)
+
+
+def _reshards_after_forward(reshard_after_forward: bool | int | None) -> bool:
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward is not False
+    return reshard_after_forward > 1  # an int: the post-forward world size; 1 keeps all
+
+
+def _is_hpz(reshard_after_forward: bool | int | None, mesh_info: MeshInfo) -> bool:
+    """Whether ``reshard_after_forward`` asks to reshard to a strictly smaller mesh.
+
+    As in torch, an int equal to the shard world size means True, and 1 means False.
+    """
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return False
+    validate_post_forward_size(mesh_info, reshard_after_forward)
+    return 1 < reshard_after_forward < mesh_info.shard_size
+
+
+def _validate_modules(module: Any) -> tuple[nn.Module, ...]:
+    if isinstance(module, nn.Module):
+        modules: tuple[Any, ...] = (module,)
+    elif isinstance(module, (list, tuple)) and module:
+        modules = tuple(module)
+    else:
+        raise TypeError(
+            f"fully_shard expects an nn.Module or a non-empty list of nn.Modules, "
+            f"got {type(module).__name__}"
+        )
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects nn.Module(s), got {type(m).__name__} in the list")
+        if state_of(m) is not None:
+            original_name = type(m).__mro__[2].__name__  # FSDP<cls>, FSDPModule, <cls>
+            raise ValueError(
+                f"fully_shard was already applied to this {original_name} module; a module "
+                "can be passed to fully_shard once. To change its grouping, build the model "
+                "again and call fully_shard([module_a, module_b]) for one group of both"
+            )
+    return modules
+
+
+def _validate_policies(
+    reshard_after_forward: Any,
+    shard_placement_fn: Any,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+) -> None:
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}"
+        )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(
+            f"shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}"
+        )
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, field)
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(
+                f"MixedPrecisionPolicy.{field} must be a floating-point dtype, got {dtype}"
+            )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}"
+        )
+
+
+def _walk(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(prefix, module) for ``root``'s subtree, skipping subtrees an earlier
+    ``fully_shard`` already owns: their parameters belong to their groups."""
+    stack: list[tuple[str, nn.Module]] = [("", root)]
+    while stack:
+        prefix, module = stack.pop()
+        yield prefix, module
+        children = [
+            (f"{prefix}{name}.", child)
+            for name, child in module.named_children()
+            if state_of(child) is None
+        ]
+        stack.extend(reversed(children))
+
+
+def _collect_params(
+    modules: tuple[nn.Module, ...],
+    ignored: set[nn.Parameter],
+    mesh_info: MeshInfo,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+) -> list[ParamToShard]:
+    """Each parameter this call manages, once, with every slot it is registered in."""
+    found: dict[int, ParamToShard] = {}
+    for root in modules:
+        root_name = type(root).__name__
+        for prefix, module in _walk(root):
+            for name, param in module._parameters.items():
+                if param is None or param in ignored:
+                    continue
+                if id(param) not in found:
+                    found[id(param)] = _param_to_shard(
+                        root_name, f"{prefix}{name}", param, mesh_info, shard_placement_fn
+                    )
+                found[id(param)].slots.append(ParamSlot(module, name, root, f"{prefix}{name}"))
+    return list(found.values())
+
+
+def _param_to_shard(
+    root_name: str,
+    fqn: str,
+    param: nn.Parameter,
+    mesh_info: MeshInfo,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+) -> ParamToShard:
+    sharded_as = getattr(param, _REPLACED_ATTR, None)
+    if sharded_as is not None:
+        raise ValueError(
+            f"fully_shard({root_name}): parameter '{fqn}' is shared with a module that an "
+            f"earlier fully_shard call sharded (as '{sharded_as}'). A shared parameter must be "
+            "in one group: call fully_shard on the modules' common ancestor only, or "
+            "fully_shard([module_a, module_b])"
+        )
+    data = param.to_local() if isinstance(param, DTensor) else param
+    if data.dim() == 0:
+        raise ValueError(
+            f"fully_shard({root_name}): parameter '{fqn}' is 0-dimensional and cannot be "
+            "sharded on dim 0; pass it in ignored_params"
+        )
+    shard_dim = _shard_dim(root_name, fqn, data, mesh_info, shard_placement_fn, param)
+    try:
+        layout = spmd_layout(mesh_info, param, fqn, shard_dim)
+    except ValueError as error:
+        raise ValueError(f"fully_shard({root_name}): {error}") from None
+    return ParamToShard(fqn, param, [], layout, shard_dim)
+
+
+def _shard_dim(
+    root_name: str,
+    fqn: str,
+    data: torch.Tensor,
+    mesh_info: MeshInfo,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    param: nn.Parameter,
+) -> int:
+    """The dim ``shard_placement_fn`` picks for ``param`` (0 by default), validated."""
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
+        raise TypeError(
+            f"fully_shard({root_name}): shard_placement_fn returned {placement!r} for parameter "
+            f"'{fqn}'; return a Shard(dim) or None (a custom mesh per parameter is not supported)"
+        )
+    dim = placement.dim + data.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < data.dim():
+        raise ValueError(
+            f"fully_shard({root_name}): shard_placement_fn returned Shard({placement.dim}) for "
+            f"parameter '{fqn}' of {data.dim()} dims"
+        )
+    size, world_size = data.shape[dim], mesh_info.shard_size
+    if dim != 0 and size % world_size != 0:
+        raise ValueError(
+            f"fully_shard({root_name}): parameter '{fqn}' has size {size} on dim {dim}, which "
+            f"the shard world size {world_size} does not divide; Shard(dim != 0) needs an even "
+            "split. Return None from shard_placement_fn for it (Shard(0), padded if uneven)"
+        )
+    return dim
+
+
+def _validate_reduce_dtypes(params: list[ParamToShard], mp_policy: MixedPrecisionPolicy) -> None:
+    # One reduce-scatter per group needs one gradient dtype.
+    dtypes = {
+        mp_dtypes(mp_policy, p.data.dtype)[1]: p.fqn for p in params if p.original.requires_grad
+    }
+    if len(dtypes) > 1:
+        named = ", ".join(f"'{fqn}' ({dtype})" for dtype, fqn in dtypes.items())
+        raise NotImplementedError(
+            f"fully_shard: trainable parameters of one group have different dtypes: {named}. "
+            "Shard them in separate fully_shard calls, cast the module to one dtype, or set "
+            "MixedPrecisionPolicy(reduce_dtype=...)"
+        )
+
+
+def _validate_devices(params: list[ParamToShard], device: torch.device) -> None:
+    for source in params:
+        _check_device(f"parameter '{source.fqn}'", source.data, device)
+    kinds = {source.data.device.type == "meta" for source in params}
+    if len(kinds) > 1:
+        raise ValueError(
+            "fully_shard: some parameters of this group are on the meta device and some are "
+            "not; initialize them all on meta (then to_empty after fully_shard) or none"
+        )
+
+
+def _check_device(what: str, tensor: torch.Tensor, device: torch.device) -> None:
+    # CPU tensors are moved to an accelerator mesh's device, as torch's fully_shard does;
+    # meta tensors stay on meta. Anything else on another device is a mistake.
+    if tensor.device.type in ("meta", device.type) and (
+        tensor.device.index is None or device.index is None or tensor.device == device
+    ):
+        return
+    if tensor.device.type == "cpu":
+        return
+    raise ValueError(
+        f"fully_shard: {what} is on {tensor.device}, but the mesh's device is {device}. "
+        f"Move the module to {device} before fully_shard (module.to({str(device)!r})), or "
+        f"build the mesh for device type {tensor.device.type!r}"
+    )
+
+
+def _moved_buffers(
+    modules: tuple[nn.Module, ...], device: torch.device
+) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    moved = []
+    for root in modules:
+        for prefix, module in _walk(root):
+            for name, buffer in module._buffers.items():
+                if buffer is None or buffer.device.type == "meta" or buffer.device == device:
+                    continue
+                _check_device(f"buffer '{prefix}{name}'", buffer, device)
+                moved.append((module, name, buffer.to(device)))
+    return moved
+
+
+def _param_device(params: list[ParamToShard], device: torch.device) -> torch.device:
+    if params and params[0].data.device.type == "meta":
+        return torch.device("meta")
+    return device
