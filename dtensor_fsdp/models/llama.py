@@ -308,7 +308,10 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh) -> None:
     tp = tp_mesh.size()
     config = model.config
     if config.n_heads % tp or config.n_kv_heads % tp:
-        raise ValueError(f"n_heads ({config.n_heads}) and n_kv_heads ({config.n_kv_heads}) must be divisible by tp={tp}")
+        raise ValueError(
+            f"n_heads ({config.n_heads}) and n_kv_heads ({config.n_kv_heads}) must be "
+            f"divisible by tp={tp}"
+        )
     if config.tie_embeddings:
         raise ValueError("apply_tensor_parallel needs untied embeddings (tie_embeddings=False)")
     parallelize_module(
