@@ -34,10 +34,6 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
-    @property
-    def is_enabled(self) -> bool:
-        return (self.param_dtype, self.reduce_dtype, self.output_dtype) != (None, None, None)
-
 
 @dataclass
 class OffloadPolicy:

@@ -221,7 +221,8 @@ def spmd_layout(mesh_info: MeshInfo, param: torch.Tensor, fqn: str, shard_dim: i
     # torch has no public "parent mesh" accessor; _get_root_mesh is on 2.11-2.14.
     root = tp_mesh._get_root_mesh()
     expected_names = tuple(dp_mesh.mesh_dim_names or ()) + tuple(tp_mesh.mesh_dim_names or ())
-    if dp_mesh._get_root_mesh() is not root or root.mesh_dim_names != expected_names:
+    # `==`, not `is`: torch caches roots by value, so an equal mesh may be another object.
+    if dp_mesh._get_root_mesh() != root or root.mesh_dim_names != expected_names:
         raise ValueError(
             f"parameter '{fqn}' is a DTensor on {tp_mesh}, which is not the tensor-parallel "
             f"part of the data-parallel mesh's root mesh (expected dims {expected_names}). "

@@ -240,6 +240,7 @@ class FSDPParam:
         )
 
     def to_unsharded(self) -> None:
+        self._assert_in_states(ShardedState.SHARDED)
         self._register(self.unsharded_param)
         self.sharded_state = ShardedState.UNSHARDED
 
