@@ -2,24 +2,35 @@
 
 Launch with torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE:
 
-    torchrun --nproc-per-node 2 train.py                 # CPU + gloo
+    torchrun --nproc-per-node 2 train.py                 # CPU + gloo, FSDP
+    torchrun --nproc-per-node 4 train.py --replicate 2   # HSDP: 2 replicas x 2 shards
+    torchrun --nproc-per-node 4 train.py --tp 2          # FSDP over 2 x TP over 2
     torchrun --nproc-per-node 8 train.py --device cuda   # one GPU per rank + NCCL
 
-Every transformer block is its own ``fully_shard`` unit and the root holds the
-embeddings, final norm and output projection, as in torchtitan.
+Parallelism: the world is a mesh of ``replicate x shard x tp`` ranks, where
+``shard = world / (replicate * tp)``; axes of size 1 are left out of the mesh:
+``("dp",)`` (FSDP), ``("replicate", "shard")`` (HSDP), ``("dp", "tp")`` or
+``("replicate", "shard", "tp")`` (with tensor parallelism). TP is the innermost
+axis (consecutive ranks, i.e. within a node), then shard, then replicate: for a
+multi-node HSDP run, ``--replicate`` = number of nodes replicates across nodes and
+shards within each. Every transformer block is its own ``fully_shard`` unit and the
+root holds the embeddings, final norm and output projection, as in torchtitan.
 
 Data: a deterministic stream of noisy arithmetic sequences (see
 ``synthetic_batch``). Every rank draws the same global batch of
-``batch_size * world_size`` rows and keeps the contiguous block of rows
-``[rank * batch_size, (rank + 1) * batch_size)``, so a single process training
-on the whole global batch sees exactly the same data.
+``batch_size * dp_size`` rows (``dp_size = replicate * shard``) and keeps the
+contiguous block of rows of its data-parallel rank; the TP ranks of one
+data-parallel rank share it. A single process training on the whole global batch
+sees exactly the same data.
 """
 
 import argparse
 import dataclasses
 import gc
+import json
 import os
 import resource
+import sys
 import time
 
 import torch
@@ -32,6 +43,7 @@ from dtensor_fsdp.models.llama import (
     PRESETS,
     Llama,
     LlamaConfig,
+    apply_tensor_parallel,
     cross_entropy_loss,
     swiglu_hidden_dim,
 )
@@ -42,7 +54,8 @@ NOISE_PROB = 0.1
 MAX_STRIDE = 8
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags from ``argv`` (default: the command line)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--dim", type=int, help="override the preset (ffn width follows)")
@@ -53,13 +66,32 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, help="training length (sets max_seq_len)")
     parser.add_argument("--tie-embeddings", action="store_true")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="sequences per data-parallel rank per step"
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping threshold")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--reshard-after-forward", choices=("true", "false"), default="true")
-    return parser.parse_args()
+    parser.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        help="HSDP: replicas (e.g. nodes); parameters are sharded within each",
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (innermost axis)")
+    parser.add_argument(
+        "--metrics-out",
+        metavar="PATH",
+        help="rank 0 writes per-step losses and grad norms and the final "
+        "full parameters to this JSON file",
+    )
+    args = parser.parse_args(argv)
+    for flag in ("replicate", "tp", "steps", "batch_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    return args
 
 
 def build_config(args: argparse.Namespace) -> LlamaConfig:
@@ -81,8 +113,47 @@ def build_config(args: argparse.Namespace) -> LlamaConfig:
     return dataclasses.replace(config, **overrides)
 
 
-def init_distributed(device_arg: str) -> tuple[torch.device, DeviceMesh]:
-    """Join torchrun's process group (NCCL on CUDA, gloo on CPU) and build a 1-D mesh."""
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """The device mesh and this rank's place in it."""
+
+    mesh: DeviceMesh
+    """The whole mesh: ("dp",), ("replicate", "shard"), ("dp", "tp") or
+    ("replicate", "shard", "tp")."""
+    dp_mesh: DeviceMesh
+    """What fully_shard gets: the mesh without its "tp" axis."""
+    tp_mesh: DeviceMesh | None
+    """The "tp" sub-mesh, or None without tensor parallelism."""
+    dp_rank: int
+    """This rank's index among the data-parallel ranks (replicate-major)."""
+    dp_size: int
+    """Number of data-parallel ranks: replicate * shard."""
+
+
+def validate_parallelism(args: argparse.Namespace, config: LlamaConfig, world_size: int) -> None:
+    """Raise ValueError, naming the flags, for a layout that cannot be built."""
+    if world_size % (args.replicate * args.tp):
+        raise ValueError(
+            f"--replicate {args.replicate} x --tp {args.tp} must divide the world size "
+            f"{world_size} (the shard size is world / (replicate * tp))"
+        )
+    if args.tp > 1:
+        if config.tie_embeddings:
+            raise ValueError("--tp needs untied embeddings: drop --tie-embeddings")
+        if config.n_heads % args.tp or config.n_kv_heads % args.tp:
+            raise ValueError(
+                f"--tp {args.tp} must divide n_heads ({config.n_heads}) and n_kv_heads "
+                f"({config.n_kv_heads}): pick another --tp or --n-heads/--n-kv-heads"
+            )
+        if config.max_seq_len % args.tp:
+            raise ValueError(
+                f"--tp {args.tp} must divide the sequence length ({config.max_seq_len}), "
+                "which sequence parallelism splits"
+            )
+
+
+def init_distributed(device_arg: str) -> torch.device:
+    """Join torchrun's process group: NCCL on CUDA, gloo on CPU."""
     use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
     if use_cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -91,16 +162,47 @@ def init_distributed(device_arg: str) -> tuple[torch.device, DeviceMesh]:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    return device, mesh
+    return device
 
 
-def build_model(config: LlamaConfig, mesh: DeviceMesh, device: torch.device,
-                seed: int, reshard_after_forward: bool) -> Llama:
-    """Build identically on every rank (same seed), then shard each block and the root."""
+def build_mesh(device: torch.device, replicate: int, tp: int) -> Parallelism:
+    """One mesh over the world, (replicate, shard, tp) with the size-1 axes left out."""
+    world_size = dist.get_world_size()
+    shard = world_size // (replicate * tp)
+    if replicate > 1:
+        dp_shape, dp_names = (replicate, shard), ("replicate", "shard")
+    else:
+        dp_shape, dp_names = (shard,), ("dp",)
+    tp_shape, tp_names = ((tp,), ("tp",)) if tp > 1 else ((), ())
+    mesh = init_device_mesh(device.type, dp_shape + tp_shape, mesh_dim_names=dp_names + tp_names)
+    dp_mesh = mesh[dp_names] if tp > 1 else mesh
+    dp_rank = dp_mesh.get_local_rank(dp_names[-1])
+    if replicate > 1:  # replicate-major, as the global batch is split
+        dp_rank += dp_mesh.get_local_rank("replicate") * shard
+    return Parallelism(
+        mesh=mesh,
+        dp_mesh=dp_mesh,
+        tp_mesh=mesh["tp"] if tp > 1 else None,
+        dp_rank=dp_rank,
+        dp_size=replicate * shard,
+    )
+
+
+def build_model(
+    config: LlamaConfig,
+    parallelism: Parallelism,
+    device: torch.device,
+    seed: int,
+    reshard_after_forward: bool,
+) -> Llama:
+    """Build identically on every rank (same seed), apply tensor parallelism if asked,
+    then shard each block and the root over the data-parallel mesh."""
     torch.manual_seed(seed)
     with device:
         model = Llama(config)
+    if parallelism.tp_mesh is not None:
+        apply_tensor_parallel(model, parallelism.tp_mesh)
+    mesh = parallelism.dp_mesh
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
@@ -124,13 +226,14 @@ def synthetic_batch(
     return torch.where(is_noisy, noise, tokens)
 
 
-def local_rows(global_batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's contiguous block of rows; (global_rows / world_size, seq_len + 1)."""
-    return global_batch.chunk(world_size)[rank]
+def local_rows(global_batch: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
+    """This data-parallel rank's contiguous block of rows; (global_rows / dp_size, seq_len + 1)."""
+    return global_batch.chunk(dp_size)[dp_rank]
 
 
-def train_step(model: Llama, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
-               max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(
+    model: Llama, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, max_norm: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward/backward/step on this rank's tokens; returns (local loss, grad norm)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # each (B, T)
     loss = cross_entropy_loss(model(inputs), targets)
@@ -145,7 +248,11 @@ def train_step(model: Llama, optimizer: torch.optim.Optimizer, tokens: torch.Ten
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
-    """Average a scalar over ranks; SUM then divide, since gloo has no AVG."""
+    """Average a scalar over all ranks; SUM then divide, since gloo has no AVG.
+
+    The TP ranks of one data-parallel rank hold the same loss, so with every
+    data-parallel rank counted tp times this is the mean over data-parallel ranks.
+    """
     total = value.clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.item() / dist.get_world_size()
@@ -159,46 +266,78 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 
-def train(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh) -> None:
+def write_metrics(path: str, model: Llama, losses: list[float], grad_norms: list[float]) -> None:
+    """Rank 0 writes the run's losses, grad norms and full parameters as JSON.
+
+    Every rank must call it: ``full_tensor()`` all-gathers each parameter.
+    """
+    params = {name: p.full_tensor().flatten().tolist() for name, p in model.named_parameters()}
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump({"losses": losses, "grad_norms": grad_norms, "params": params}, f)
+
+
+def train(args: argparse.Namespace, device: torch.device) -> None:
     config = build_config(args)
     seq_len = config.max_seq_len
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = build_model(config, mesh, device, args.seed, args.reshard_after_forward == "true")
+    parallelism = build_mesh(device, args.replicate, args.tp)
+    model = build_model(
+        config, parallelism, device, args.seed, args.reshard_after_forward == "true"
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     generator = torch.Generator().manual_seed(args.seed)
-    global_rows = args.batch_size * world_size
+    global_rows = args.batch_size * parallelism.dp_size
     tokens_per_step = global_rows * seq_len
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"{config}\nparams {n_params:,} | world {world_size} | device {device} | "
-              f"global batch {global_rows} x {seq_len} tokens", flush=True)
+        print(
+            f"{config}\nparams {n_params:,} | world {world_size} | mesh {parallelism.mesh} | "
+            f"device {device} | global batch {global_rows} x {seq_len} tokens",
+            flush=True,
+        )
 
-    throughputs, loss = [], float("nan")
+    throughputs, losses, grad_norms = [], [], []
     for step in range(1, args.steps + 1):
         start = time.perf_counter()
         global_batch = synthetic_batch(generator, global_rows, seq_len, config.vocab_size)
-        tokens = local_rows(global_batch, rank, world_size).to(device)
+        tokens = local_rows(global_batch, parallelism.dp_rank, parallelism.dp_size).to(device)
         local_loss, grad_norm = train_step(model, optimizer, tokens, args.max_norm)
-        loss = mean_over_ranks(local_loss)  # .item() also waits for the device
+        losses.append(mean_over_ranks(local_loss))  # .item() also waits for the device
+        grad_norms.append(grad_norm.item())
         throughputs.append(tokens_per_step / (time.perf_counter() - start))
         if rank == 0:
-            print(f"step {step:4d} | loss {loss:.4f} | grad_norm {grad_norm.item():.3f} | "
-                  f"tok/s {throughputs[-1]:,.0f} | peak_mem {peak_memory_mib(device):,.0f} MiB",
-                  flush=True)
+            print(
+                f"step {step:4d} | loss {losses[-1]:.4f} | grad_norm {grad_norms[-1]:.3f} | "
+                f"tok/s {throughputs[-1]:,.0f} | peak_mem {peak_memory_mib(device):,.0f} MiB",
+                flush=True,
+            )
+    if args.metrics_out:
+        write_metrics(args.metrics_out, model, losses, grad_norms)
 
     if rank == 0:
         # Step 1 pays for lazy init and allocator warm-up, so it is left out.
         steady = throughputs[1:] or throughputs
-        print(f"done | steps {args.steps} | final loss {loss:.4f} | "
-              f"mean tok/s {sum(steady) / len(steady):,.0f} (excl. step 1) | "
-              f"peak_mem {peak_memory_mib(device):,.0f} MiB", flush=True)
+        print(
+            f"done | steps {args.steps} | final loss {losses[-1]:.4f} | "
+            f"mean tok/s {sum(steady) / len(steady):,.0f} (excl. step 1) | "
+            f"peak_mem {peak_memory_mib(device):,.0f} MiB",
+            flush=True,
+        )
 
 
 def main() -> None:
     args = parse_args()
-    device, mesh = init_distributed(args.device)
+    # Before joining the process group, so a bad layout fails fast with one message.
     try:
-        train(args, device, mesh)
+        validate_parallelism(args, build_config(args), int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"train.py: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    device = init_distributed(args.device)
+    try:
+        train(args, device)
     finally:
         # A DeviceMesh holds its ProcessGroup (DeviceMesh._pg_registry), and FSDP's
         # module <-> state reference cycles keep the mesh alive until the cyclic GC

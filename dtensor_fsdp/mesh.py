@@ -218,11 +218,13 @@ def spmd_layout(mesh_info: MeshInfo, param: torch.Tensor, fqn: str, shard_dim: i
             "in one group: call fully_shard on their common ancestor, or "
             "fully_shard([module_a, module_b])"
         )
-    # torch has no public "parent mesh" accessor; _get_root_mesh is on 2.11-2.14.
-    root = tp_mesh._get_root_mesh()
-    expected_names = tuple(dp_mesh.mesh_dim_names or ()) + tuple(tp_mesh.mesh_dim_names or ())
-    # `==`, not `is`: torch caches roots by value, so an equal mesh may be another object.
-    if dp_mesh._get_root_mesh() != root or root.mesh_dim_names != expected_names:
+    # torch has no public "parent mesh" accessor; _get_root_mesh is on 2.11-2.14. Take
+    # the root from the data-parallel mesh and compare the TP part by value: DTensor's
+    # caches hand back equal meshes as other objects, whose own root may be another one.
+    root = dp_mesh._get_root_mesh()
+    tp_names = tuple(tp_mesh.mesh_dim_names or ())
+    expected_names = tuple(dp_mesh.mesh_dim_names or ()) + tp_names
+    if root.mesh_dim_names != expected_names or root[tp_names] != tp_mesh:
         raise ValueError(
             f"parameter '{fqn}' is a DTensor on {tp_mesh}, which is not the tensor-parallel "
             f"part of the data-parallel mesh's root mesh (expected dims {expected_names}). "
