@@ -6,6 +6,8 @@ Launch with torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE:
     torchrun --nproc-per-node 4 train.py --replicate 2   # HSDP: 2 replicas x 2 shards
     torchrun --nproc-per-node 4 train.py --tp 2          # FSDP over 2 x TP over 2
     torchrun --nproc-per-node 8 train.py --device cuda   # one GPU per rank + NCCL
+    torchrun --nproc-per-node 2 train.py --mixed-precision bf16 --grad-accum 4 \
+        --activation-checkpointing --meta-init --cpu-offload
 
 Parallelism: the world is a mesh of ``replicate x shard x tp`` ranks, where
 ``shard = world / (replicate * tp)``; axes of size 1 are left out of the mesh:
@@ -21,7 +23,13 @@ Data: a deterministic stream of noisy arithmetic sequences (see
 ``batch_size * dp_size`` rows (``dp_size = replicate * shard``) and keeps the
 contiguous block of rows of its data-parallel rank; the TP ranks of one
 data-parallel rank share it. A single process training on the whole global batch
-sees exactly the same data.
+sees exactly the same data. With ``--grad-accum N`` the global batch is N times larger
+and each rank runs its block as N micro-batches, synchronizing gradients on the last.
+
+Initialization is the same with and without ``--meta-init``: ``init_weights()`` from a
+fresh seed, on the full parameters (on the meta path inside ``init_unsharded``, so the
+sharded parameters get exactly the eager values; with ``--tp`` the meta path draws
+each TP shard separately and differs).
 """
 
 import argparse
@@ -32,13 +40,21 @@ import os
 import resource
 import sys
 import time
+import types
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
-from dtensor_fsdp import fully_shard
+from dtensor_fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    init_unsharded,
+)
 from dtensor_fsdp.models.llama import (
     PRESETS,
     Llama,
@@ -82,13 +98,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (innermost axis)")
     parser.add_argument(
+        "--mixed-precision",
+        choices=("none", "bf16"),
+        default="none",
+        help="bf16: all-gather and compute in bf16, reduce in fp32, fp32 master weights",
+    )
+    parser.add_argument(
+        "--cpu-offload", action="store_true", help="sharded params, grads, optimizer on CPU"
+    )
+    parser.add_argument(
+        "--grad-accum", type=int, default=1, help="micro-batches per step (sync on the last)"
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each block's activations in backward",
+    )
+    parser.add_argument(
+        "--meta-init", action="store_true", help="build on the meta device, init after sharding"
+    )
+    parser.add_argument(
         "--metrics-out",
         metavar="PATH",
         help="rank 0 writes per-step losses and grad norms and the final "
         "full parameters to this JSON file",
     )
     args = parser.parse_args(argv)
-    for flag in ("replicate", "tp", "steps", "batch_size"):
+    for flag in ("replicate", "tp", "steps", "batch_size", "grad_accum"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     return args
@@ -189,24 +225,64 @@ def build_mesh(device: torch.device, replicate: int, tp: int) -> Parallelism:
 
 
 def build_model(
-    config: LlamaConfig,
-    parallelism: Parallelism,
-    device: torch.device,
-    seed: int,
-    reshard_after_forward: bool,
+    config: LlamaConfig, parallelism: Parallelism, device: torch.device, args: argparse.Namespace
 ) -> Llama:
-    """Build identically on every rank (same seed), apply tensor parallelism if asked,
-    then shard each block and the root over the data-parallel mesh."""
-    torch.manual_seed(seed)
-    with device:
-        model = Llama(config)
+    """Build identically on every rank, apply tensor parallelism if asked, and shard
+    each block and the root over the data-parallel mesh. Eager: initialize, then shard.
+    ``--meta-init``: shard on meta, materialize, then initialize the full parameters
+    under ``init_unsharded``; both give the same values."""
+    if args.meta_init:
+        with torch.device("meta"):
+            model = Llama(config)
+    else:
+        with device:
+            model = Llama(config)
+        init_from_seed(model, args.seed)
     if parallelism.tp_mesh is not None:
         apply_tensor_parallel(model, parallelism.tp_mesh)
-    mesh = parallelism.dp_mesh
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if args.activation_checkpointing:
+        for block in model.layers:
+            checkpoint_forward(block)
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if args.mixed_precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
+    for module in [*model.layers, model]:
+        fully_shard(
+            module,
+            mesh=parallelism.dp_mesh,
+            reshard_after_forward=args.reshard_after_forward == "true",
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
+    if args.meta_init:
+        model.to_empty(device=device)
+        with init_unsharded(model):
+            init_from_seed(model, args.seed)
     return model
+
+
+def init_from_seed(model: Llama, seed: int) -> None:
+    """The one initialization every layout shares: ``init_weights()`` from ``seed``."""
+    torch.manual_seed(seed)
+    model.init_weights()
+
+
+def checkpoint_forward(block: torch.nn.Module) -> None:
+    """Activation checkpointing (non-reentrant) of ``block``'s forward body.
+
+    The instance's ``forward`` is replaced, not the module: parameter names stay the
+    same, and FSDP's hooks still run around the call, while the recompute in backward
+    calls the class's forward directly (the block is already unsharded by then).
+    """
+    body = type(block).forward
+
+    def forward(self: torch.nn.Module, *args: object) -> torch.Tensor:
+        return checkpoint(body, self, *args, use_reentrant=False)
+
+    block.forward = types.MethodType(forward, block)
 
 
 def synthetic_batch(
@@ -232,19 +308,25 @@ def local_rows(global_batch: torch.Tensor, dp_rank: int, dp_size: int) -> torch.
 
 
 def train_step(
-    model: Llama, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, max_norm: float
+    model: Llama, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, args: argparse.Namespace
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward/backward/step on this rank's tokens; returns (local loss, grad norm)."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # each (B, T)
-    loss = cross_entropy_loss(model(inputs), targets)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    """One optimizer step on this rank's tokens, as ``--grad-accum`` micro-batches whose
+    gradients are synchronized only on the last; returns (local loss, grad norm)."""
+    micro_batches = tokens.chunk(args.grad_accum)
+    total_loss = torch.zeros((), device=tokens.device)
+    for index, micro in enumerate(micro_batches):
+        model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        inputs, targets = micro[:, :-1], micro[:, 1:]  # each (B / N, T)
+        loss = cross_entropy_loss(model(inputs), targets) / len(micro_batches)
+        loss.backward()
+        total_loss += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
     optimizer.step()
     optimizer.zero_grad()
     # The norm of DTensor grads is a DTensor; full_tensor() makes it a plain value.
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
-    return loss.detach(), grad_norm
+    return total_loss, grad_norm
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -282,12 +364,10 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     seq_len = config.max_seq_len
     rank, world_size = dist.get_rank(), dist.get_world_size()
     parallelism = build_mesh(device, args.replicate, args.tp)
-    model = build_model(
-        config, parallelism, device, args.seed, args.reshard_after_forward == "true"
-    )
+    model = build_model(config, parallelism, device, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     generator = torch.Generator().manual_seed(args.seed)
-    global_rows = args.batch_size * parallelism.dp_size
+    global_rows = args.batch_size * parallelism.dp_size * args.grad_accum
     tokens_per_step = global_rows * seq_len
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
@@ -302,7 +382,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         start = time.perf_counter()
         global_batch = synthetic_batch(generator, global_rows, seq_len, config.vocab_size)
         tokens = local_rows(global_batch, parallelism.dp_rank, parallelism.dp_size).to(device)
-        local_loss, grad_norm = train_step(model, optimizer, tokens, args.max_norm)
+        local_loss, grad_norm = train_step(model, optimizer, tokens, args)
         losses.append(mean_over_ranks(local_loss))  # .item() also waits for the device
         grad_norms.append(grad_norm.item())
         throughputs.append(tokens_per_step / (time.perf_counter() - start))

@@ -94,15 +94,15 @@ def _reference() -> dict:
     """train.py's model, optimizer and data, in one process on the global batch."""
     args = train.parse_args(FLAGS)
     config = train.build_config(args)
-    torch.manual_seed(args.seed)
     model = Llama(config)
+    train.init_from_seed(model, args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     generator = torch.Generator().manual_seed(args.seed)
     losses, norms = [], []
     for _ in range(args.steps):
         rows = args.batch_size * NODES * PROCS_PER_NODE  # every rank is a data-parallel rank
         tokens = train.synthetic_batch(generator, rows, config.max_seq_len, config.vocab_size)
-        loss, norm = train.train_step(model, optimizer, tokens, args.max_norm)
+        loss, norm = train.train_step(model, optimizer, tokens, args)
         losses.append(loss.item())
         norms.append(norm.item())
     params = {name: p.detach().flatten().tolist() for name, p in model.named_parameters()}
