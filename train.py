@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from dtensor_fsdp import (
+    FSDPModule,
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -315,7 +316,8 @@ def train_step(
     micro_batches = tokens.chunk(args.grad_accum)
     total_loss = torch.zeros((), device=tokens.device)
     for index, micro in enumerate(micro_batches):
-        model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        if isinstance(model, FSDPModule):  # a plain model (a reference run) always syncs
+            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         inputs, targets = micro[:, :-1], micro[:, 1:]  # each (B / N, T)
         loss = cross_entropy_loss(model(inputs), targets) / len(micro_batches)
         loss.backward()
