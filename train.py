@@ -49,8 +49,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from dtensor_fsdp import (
-    FSDPModule,
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
