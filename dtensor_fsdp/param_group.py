@@ -268,7 +268,8 @@ class FSDPParamGroup:
         elif self.reshard_after_forward and self.post_forward_mesh_info is not None:
             self._reshard_post_forward(self.post_forward_mesh_info)
         elif self.reshard_after_forward:
-            self.reshard()
+            assert self.ctx is not None
+            self.ctx.defer_reshard(self)
         self.training_state = TrainingState.IDLE
 
     def _reshard_post_forward(self, post_forward: MeshInfo) -> None:

@@ -161,17 +161,17 @@ reduce_scatter 0       576 B  backward  over 4 ranks""")
 
 
 def test_default_schedule(traces: dict[str, str]) -> None:
-    # Forward: one all-gather per group; the root keeps its params. Backward: the root's
-    # pre-backward prefetches block 1, whose pre-backward prefetches block 0; one
-    # reduce-scatter per group; the root's (inputs without grad) runs at the end.
+    # Forward: one all-gather per group; the root keeps its params, and block 0 is
+    # resharded only once block 2's forward is done. Block 2, last in forward and first
+    # in backward, stays unsharded into backward: no all-gather for it there. Block 2's
+    # pre-backward prefetches block 0; one reduce-scatter per group; the root's (its
+    # inputs have no grad) runs at the end.
     assert_expected_inline(traces["default"], """\
 unshard       root  forward
 unshard       0     forward
-reshard       0     forward
 unshard       2     forward
-reshard       2     forward
+reshard       0     forward
 pre_backward  root  backward
-unshard       2     backward
 pre_backward  2     backward
 unshard       0     backward
 post_backward 2     backward
@@ -185,7 +185,6 @@ reshard       0     backward
 all_gather     root    272 B  forward
 all_gather     0       576 B  forward
 all_gather     2      1088 B  forward
-all_gather     2      1088 B  backward
 all_gather     0       576 B  backward
 reduce_scatter 2      1088 B  backward
 reduce_scatter root    272 B  backward
@@ -223,9 +222,7 @@ unshard       root  forward
 unshard       0     forward
 unshard       2     forward
 reshard       0     forward
-reshard       2     forward
 pre_backward  root  backward
-unshard       2     backward
 unshard       0     backward
 pre_backward  2     backward
 post_backward 2     backward
@@ -239,7 +236,6 @@ reshard       0     backward
 all_gather     root    272 B  forward
 all_gather     0       576 B  forward
 all_gather     2      1088 B  forward
-all_gather     2      1088 B  backward
 all_gather     0       576 B  backward
 reduce_scatter 2      1088 B  backward
 reduce_scatter root    272 B  backward
@@ -264,11 +260,9 @@ def test_no_gradient_sync_issues_no_reduce_scatter(traces: dict[str, str]) -> No
     assert_expected_inline(traces["no_sync"], """\
 unshard       root  forward
 unshard       0     forward
-reshard       0     forward
 unshard       2     forward
-reshard       2     forward
+reshard       0     forward
 pre_backward  root  backward
-unshard       2     backward
 pre_backward  2     backward
 unshard       0     backward
 post_backward 2     backward
@@ -282,7 +276,6 @@ reshard       0     backward
 all_gather     root    272 B  forward
 all_gather     0       576 B  forward
 all_gather     2      1088 B  forward
-all_gather     2      1088 B  backward
 all_gather     0       576 B  backward""")
 
 
@@ -293,9 +286,7 @@ unshard       2     explicit
 unshard       root  forward
 unshard       0     forward
 reshard       0     forward
-reshard       2     forward
 pre_backward  root  backward
-unshard       2     backward
 pre_backward  2     backward
 unshard       0     backward
 post_backward 2     backward
@@ -309,7 +300,6 @@ reshard       0     backward
 all_gather     2      1088 B  explicit
 all_gather     root    272 B  forward
 all_gather     0       576 B  forward
-all_gather     2      1088 B  backward
 all_gather     0       576 B  backward
 reduce_scatter 2      1088 B  backward
 reduce_scatter root    272 B  backward
