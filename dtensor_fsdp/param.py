@@ -25,6 +25,7 @@ These nouns mean one thing each, everywhere in dtensor_fsdp:
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -115,6 +116,9 @@ class FSDPParam:
         self.partial_reduced_grad: torch.Tensor | None = None
         # Shard(dim != 0) only: all-gather output columns staged for the rearrangement.
         self._copy_out_staging: torch.Tensor | None = None
+        # Called once autograd has accumulated this parameter's unsharded grad (set by
+        # the group, which decides whether the unsharded values can go).
+        self.on_grad_accumulated: Callable[[FSDPParam], None] | None = None
         # Gradient accumulation without sync when reduce_dtype != param_dtype: the
         # unsharded grads summed in reduce_dtype, so low precision does not accumulate.
         self._accumulated_grad: torch.Tensor | None = None
@@ -184,7 +188,17 @@ class FSDPParam:
                     stride=_contiguous_stride(self.global_shape),
                 )
         self.unsharded_param = nn.Parameter(unsharded, self.requires_grad)
+        if self.requires_grad:
+            self.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
         free_storage(padded)
+
+    def _on_grad_accumulated(self, _param: nn.Parameter) -> None:
+        if self.on_grad_accumulated is not None:
+            self.on_grad_accumulated(self)
+
+    def free_unsharded_storage(self) -> None:
+        """Free the unsharded values early, leaving the registration to `to_sharded`."""
+        free_storage(self._padded_unsharded)
 
     # Runtime #
 

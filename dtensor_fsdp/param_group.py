@@ -99,6 +99,8 @@ class FSDPParamGroup:
         self.device = device
         self.offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
         self.fsdp_params = self._shard(params, self._sharded_device(device), mp_policy)
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.on_grad_accumulated = self._free_after_grad
         # The all-gather carries param_dtype. Without a cast it reads the sharded buffer
         # in place and this order is the buffer's; with one, a copy-in casts each shard
         # into a param_dtype buffer laid out in this order (largest dtype first again).
@@ -298,6 +300,15 @@ class FSDPParamGroup:
         self._record("pre_backward")
         if self.unshard_in_backward:
             self.unshard()
+
+    def _free_after_grad(self, fsdp_param: FSDPParam) -> None:
+        """A parameter's unsharded grad is complete, so no backward op still needs its
+        unsharded values (each op that used it has contributed its grad): free them now
+        rather than at the group's post-backward. For the root group this releases the
+        output head, often the largest tensor, at the start of backward instead of its
+        end."""
+        if self.training_state == TrainingState.PRE_BACKWARD and self.reshard_after_backward:
+            fsdp_param.free_unsharded_storage()
 
     def register_post_backward_node(self) -> None:
         self._pending_post_backward_nodes += 1

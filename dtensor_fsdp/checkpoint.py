@@ -1,0 +1,363 @@
+"""Distributed checkpoints of a training run, written with torch.distributed.checkpoint.
+
+A checkpoint is one directory per step, holding DCP's files (every rank writes its own
+shards; DCP reshards them on load, so a run saved on N ranks resumes on M ranks or on
+another mesh layout), the trainer's ``extra`` state and a ``COMPLETE`` marker::
+
+    directory/
+      step_00000020/          complete: the marker is the last thing written
+        .metadata  __0_0.distcp  __1_0.distcp  extra.pt  COMPLETE
+      step_00000030.tmp/      being written, or interrupted: never loaded
+
+[Note: checkpoint completion] A checkpoint is complete iff its directory has the final
+name (no ``.tmp``) and holds a ``COMPLETE`` marker whose recorded file sizes match the
+files on disk. ``save_checkpoint`` writes everything into ``step_N.tmp/``, waits for
+every rank (barrier), then rank 0 writes the marker (itself via a rename, so it is never
+half-written) and renames the directory with ``os.replace``. A crash at any point leaves
+either a ``.tmp`` directory or a complete checkpoint; a final directory without a valid
+marker (copied by hand, truncated later) is skipped too. ``latest_checkpoint`` and
+``load_checkpoint`` apply this one test (``_read_marker``).
+
+Resuming on another world size: ``extra`` (step, data position, anything global) is
+saved once and comes back unchanged, so a global data position carries over. Per-rank
+entries (``rank_extra``: e.g. each rank's generator state) are saved keyed by global
+rank and come back only when the world size is the one they were saved with;
+otherwise ``LoadedCheckpoint.rank_extra`` is ``None`` and the trainer re-derives them
+from its seed and the step, exactly as a fresh run of that world size would.
+
+The directory must be on a file system that every rank sees (as DCP's
+``FileSystemWriter`` requires).
+"""
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+MARKER = "COMPLETE"
+EXTRA_FILE = "extra.pt"
+_TMP_SUFFIX = ".tmp"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is incomplete, corrupted, or does not fit the model."""
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What ``load_checkpoint`` hands back besides the loaded model and optimizer."""
+
+    step: int
+    """The step passed to ``save_checkpoint``."""
+    world_size: int
+    """The world size the checkpoint was saved with."""
+    extra: dict[str, Any]
+    """The ``extra`` dict passed to ``save_checkpoint`` (rank 0's)."""
+    rank_extra: dict[str, Any] | None
+    """This global rank's ``rank_extra``, or ``None`` if it was not saved or the world
+    size changed (re-derive per-rank state from the seed and ``step`` then)."""
+
+
+def checkpoint_path(directory: str, step: int) -> str:
+    """The final (complete) directory of ``step``'s checkpoint under ``directory``."""
+    return os.path.join(directory, f"step_{step:08d}")
+
+
+# ---------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    directory: str,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict[str, Any],
+    *,
+    rank_extra: dict[str, Any] | None = None,
+    keep_last: int = 2,
+) -> str:
+    """Save ``model``, ``optimizer`` and ``extra`` as ``directory/step_{step:08d}``.
+
+    Every rank must call it. The model and optimizer state dicts come from
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` (sharded DTensors under
+    the original FQNs) and are written by ``dcp.save``, each rank its own shards. The
+    checkpoint becomes visible only once complete (see [Note: checkpoint completion]).
+    Afterwards the oldest complete checkpoints beyond ``keep_last`` are deleted; the one
+    just written never is.
+
+    Args:
+        directory: parent directory, created if missing; shared by all ranks.
+        step: the training step (or any increasing int) this checkpoint follows.
+        model: the (``fully_shard``-ed) model.
+        optimizer: its optimizer, or ``None`` to save the model only.
+        extra: global trainer state (step, data position, RNG states, ...), picklable by
+            ``torch.save`` and loadable with ``weights_only=True`` (tensors, numbers,
+            strings, lists, dicts). Rank 0's copy is saved.
+        rank_extra: this rank's own state (e.g. its generator state), saved keyed by
+            global rank.
+        keep_last: how many complete checkpoints to keep, at least 1.
+
+    Returns:
+        The path of the complete checkpoint.
+
+    Raises:
+        ValueError: ``keep_last < 1`` or ``step < 0``.
+    """
+    if keep_last < 1:
+        raise ValueError(
+            f"keep_last must be at least 1 (got {keep_last}): "
+            "the checkpoint just written is always kept"
+        )
+    if step < 0:
+        raise ValueError(f"step must be non-negative (got {step})")
+    final = checkpoint_path(directory, step)
+    staging = final + _TMP_SUFFIX
+    rank, world_size = _rank(), _world_size()
+    all_rank_extra = _gather_to_rank0(rank_extra)
+    if rank == 0:
+        _prepare_staging(staging)
+    _barrier()  # nobody writes into staging before rank 0 has emptied it
+    dcp.save(_state_dict(model, optimizer), checkpoint_id=staging)
+    if rank == 0:
+        saved = {"extra": extra, "rank_extra": all_rank_extra}
+        torch.save(saved, os.path.join(staging, EXTRA_FILE))
+    # Every rank's shards are on disk (dcp.save syncs its files) before the marker.
+    _barrier()
+    if rank == 0:
+        _write_marker(staging, step, world_size)
+        _promote(staging, final)
+        _prune(directory, keep_last, keep=final)
+    _barrier()  # return only once the checkpoint is visible to every rank
+    return final
+
+
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _prepare_staging(staging: str) -> None:
+    # A leftover from an interrupted save of the same step would mix old and new files.
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+
+
+def _write_marker(staging: str, step: int, world_size: int) -> None:
+    sizes = {name: os.path.getsize(os.path.join(staging, name)) for name in os.listdir(staging)}
+    marker = {"step": step, "world_size": world_size, "files": sizes}
+    partial = os.path.join(staging, MARKER + _TMP_SUFFIX)
+    with open(partial, "w") as f:
+        json.dump(marker, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, os.path.join(staging, MARKER))
+
+
+def _promote(staging: str, final: str) -> None:
+    """Rename ``staging`` to ``final``, the commit point of a save."""
+    if os.path.exists(final):
+        # Saving a step again (a run resumed from an older checkpoint): os.replace
+        # cannot rename onto a non-empty directory. The new copy is complete in staging.
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _fsync_dir(os.path.dirname(final))
+
+
+def _fsync_dir(path: str) -> None:
+    # Makes the rename itself durable; not every platform can open a directory.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(directory: str, keep_last: int, keep: str) -> None:
+    """Delete complete checkpoints older than the newest ``keep_last``, and stale
+    ``.tmp`` directories of earlier steps, never ``keep``."""
+    complete = _complete_checkpoints(directory)
+    for _, path in complete[:-keep_last]:
+        if path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+    newest = complete[-1][0] if complete else None
+    for name in os.listdir(directory):
+        step = _staging_step(name)
+        if step is not None and newest is not None and step < newest:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def _staging_step(name: str) -> int | None:
+    if not name.endswith(_TMP_SUFFIX):
+        return None
+    match = _STEP_DIR.match(name[: -len(_TMP_SUFFIX)])
+    return int(match.group(1)) if match else None
+
+
+# ---------------------------------------------------------------------------
+# Find and load
+# ---------------------------------------------------------------------------
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest complete checkpoint under ``directory``, or ``None``.
+
+    ``.tmp`` directories and final directories without a valid ``COMPLETE`` marker (or
+    with files whose sizes differ from the marker's) are skipped. Reads only the
+    directory listing and the markers, so every rank can call it.
+    """
+    complete = _complete_checkpoints(directory)
+    return complete[-1][1] if complete else None
+
+
+def _complete_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint under ``directory``, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        match = _STEP_DIR.match(name)
+        path = os.path.join(directory, name)
+        if match is None or not os.path.isdir(path):
+            continue
+        try:
+            _read_marker(path)
+        except CheckpointError:
+            continue
+        found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def _read_marker(path: str) -> dict[str, Any]:
+    """The marker of the complete checkpoint at ``path``; see [Note: checkpoint completion].
+
+    Raises:
+        CheckpointError: naming ``path`` and what is wrong with it.
+    """
+    if path.rstrip(os.sep).endswith(_TMP_SUFFIX):
+        raise CheckpointError(f"checkpoint {path} is a partial save (its name ends in .tmp)")
+    marker_path = os.path.join(path, MARKER)
+    try:
+        with open(marker_path) as f:
+            marker = json.load(f)
+        step, world_size, sizes = marker["step"], marker["world_size"], marker["files"]
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: no {MARKER} marker (the save was interrupted)"
+        ) from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path} has an unreadable {MARKER} marker: {exc}"
+        ) from exc
+    for name, size in sizes.items():
+        file = os.path.join(path, name)
+        actual = os.path.getsize(file) if os.path.isfile(file) else None
+        if actual != size:
+            found = "missing" if actual is None else f"{actual} bytes"
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted: {name} is {found}, the marker says {size} bytes"
+            )
+    return {"step": step, "world_size": world_size}
+
+
+def load_checkpoint(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> LoadedCheckpoint:
+    """Load a checkpoint written by ``save_checkpoint`` into ``model`` and ``optimizer``.
+
+    Every rank must call it. The model may be sharded differently from the one saved
+    (another world size, HSDP, FSDP + TP): ``dcp.load`` reads each rank's part of every
+    tensor from whichever files hold it, and ``set_state_dict`` copies it in.
+
+    Args:
+        path: a checkpoint directory, e.g. from ``latest_checkpoint``.
+        model: the model to load into, already ``fully_shard``-ed.
+        optimizer: its optimizer, or ``None`` to load the model only.
+
+    Returns:
+        The step, saved world size, ``extra`` and this rank's ``rank_extra``.
+
+    Raises:
+        CheckpointError: naming ``path``, if the checkpoint is incomplete or corrupted,
+            or if DCP cannot load it into this model.
+    """
+    marker = _read_marker(path)
+    state = _state_dict(model, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    # DCP gathers every rank's failure into a CheckpointException, a BaseException.
+    except (Exception, dcp.CheckpointException) as exc:
+        raise CheckpointError(f"could not load checkpoint {path}: {exc}") from exc
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+    saved = torch.load(os.path.join(path, EXTRA_FILE), weights_only=True)
+    return LoadedCheckpoint(
+        step=marker["step"],
+        world_size=marker["world_size"],
+        extra=saved["extra"],
+        rank_extra=_own_rank_extra(saved["rank_extra"], marker["world_size"]),
+    )
+
+
+def _own_rank_extra(
+    all_rank_extra: dict[int, Any] | None, saved_world_size: int
+) -> dict[str, Any] | None:
+    # Rank r of a different world size is a different slice of the data: its saved
+    # state would be wrong, not merely stale, so none is returned.
+    if all_rank_extra is None or saved_world_size != _world_size():
+        return None
+    return all_rank_extra.get(_rank())
+
+
+# ---------------------------------------------------------------------------
+# Process group helpers (also usable in one process without a group)
+# ---------------------------------------------------------------------------
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _gather_to_rank0(value: dict[str, Any] | None) -> dict[int, Any] | None:
+    """Every rank's ``value`` keyed by global rank, on rank 0 (``None`` elsewhere or if
+    no rank gave one)."""
+    if not dist.is_initialized():
+        return None if value is None else {0: value}
+    gathered: list[Any] | None = [None] * _world_size() if _rank() == 0 else None
+    dist.gather_object(value, gathered, dst=0)
+    if gathered is None or all(v is None for v in gathered):
+        return None
+    return {rank: v for rank, v in enumerate(gathered) if v is not None}
