@@ -1,0 +1,608 @@
+"""Time and measure dtensor_fsdp against torch's fully_shard and DDP in one launch.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_train.py                   # CPU + gloo
+    torchrun --nproc-per-node 2 benchmarks/bench_train.py --model tiny --steps 10
+    torchrun --nproc-per-node 8 benchmarks/bench_train.py --device cuda     # NCCL
+
+The same Llama-style model (fp32, AdamW, same seed, same synthetic batches) is trained
+under three implementations:
+
+- ``ours``:  ``dtensor_fsdp.fully_shard`` on each block, then on the root;
+- ``torch``: ``torch.distributed.fsdp.fully_shard``, the same grouping;
+- ``ddp``:   ``torch.nn.parallel.DistributedDataParallel``.
+
+The root keeps the FSDP default ``reshard_after_forward=None`` (True for blocks, False for
+the root). No gradient clipping, so the only collectives in a step are data-parallel ones.
+
+Method, in three phases:
+
+1. **Isolation** (memory and collectives), one implementation at a time, with the other
+   two never built: build the model and optimizer, run step 1 (lazy init, optimizer state
+   allocation), measure memory over step 2, then record the collectives of step 3; then
+   delete everything before the next implementation.
+
+   *Peak memory* is the peak of live tensor memory during step 2, counted from before
+   the model was built, so it includes parameters, gradients, optimizer states, DDP's
+   gradient buckets, all-gather buffers and activations. On CUDA it is
+   ``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` before the build. On
+   CPU it is ``torch.distributed._tools.mem_tracker.MemTracker`` (a ``TorchDispatchMode``
+   that follows every storage created under it through a weakref, and storage resizes),
+   entered before the model is built, with its peak restarted at the start of step 2.
+   Tensors that C++ code allocates while the mode is active (DDP's buckets) go through
+   the dispatcher and are counted; scratch buffers that gloo allocates on its own
+   threads are not (nor are they on CUDA's side: NCCL's buffers are outside the
+   caching allocator). RSS is not used: it does not shrink when tensors are freed and it
+   counts the interpreter. The profiler's CPU memory events were tried and rejected:
+   frees made on gloo's threads are not reported, so their running sum drifts upward.
+
+   *Collectives* of the FSDP variants are recorded at the c10d op level by a
+   ``TorchDispatchMode`` (``C10dRecorder``; the same ops ``CommDebugMode`` counts) with
+   the unsharded buffer size of each: all-gather output, reduce-scatter or all-to-all
+   input. Ours is also read from its ``CommTrace`` and the two are checked to agree.
+   DDP's all-reduces are issued by its C++ reducer, outside the dispatcher, so they are
+   counted from its bucket layout (``_get_ddp_logging_data()["bucket_sizes"]``): one
+   all-reduce per bucket, of all gradients in total.
+
+2. **Timing**: all three models are built, then ``--warmup`` + ``--steps`` rounds run;
+   each round runs ``--block`` steps of every implementation, in an order that rotates
+   every round (ours/torch/ddp, torch/ddp/ours, ...) so drift and cache effects spread
+   evenly. A barrier precedes every timed step; a step's time is the slowest rank's
+   (forward, backward, optimizer step, zero_grad; on CUDA up to a device sync).
+   Every implementation sees the same batch at its n-th step, so their losses must
+   agree; the largest difference from torch's loss is printed as a sanity check.
+
+3. **Report** on rank 0: a table, the analytic FSDP bytes bound, and a final
+   ``BENCH_JSON {...}`` line.
+
+"Ring wire bytes" is what each rank sends with a ring algorithm: (W-1)/W of the buffer
+for an all-gather, a reduce-scatter or an all-to-all, 2(W-1)/W for an all-reduce. On
+gloo, torch's ``reduce_scatter_tensor`` is an all-reduce plus a copy, so torch's real
+reduce-scatter traffic there is twice its ring figure (dtensor_fsdp uses an all-to-all
+on gloo); the report shows both.
+
+The analytic FSDP bound per step is
+``(W-1)/W * sum over groups of param_bytes * (AGs + 1)``, where AGs is 2 for groups
+resharded after forward (forward and backward all-gather) and 1 for the root.
+"""
+
+import argparse
+import dataclasses
+import gc
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+try:
+    import dtensor_fsdp
+    from dtensor_fsdp.models import llama
+except ImportError as _error:  # only while the core does not import: bench torch and DDP
+    dtensor_fsdp = None
+    _OURS_IMPORT_ERROR = repr(_error)
+    # The model file is plain PyTorch; load it without the package's __init__.
+    _path = os.path.join(os.path.dirname(__file__), "..", "dtensor_fsdp", "models", "llama.py")
+    _spec = importlib.util.spec_from_file_location("bench_llama", _path)
+    llama = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(llama)
+
+PRESETS, Llama, LlamaConfig = llama.PRESETS, llama.Llama, llama.LlamaConfig
+cross_entropy_loss = llama.cross_entropy_loss
+
+IMPLS = ("ours", "torch", "ddp")
+MiB = 2**20
+# dtensor_fsdp reduce-scatters by all-to-all plus a local sum on gloo (see its README).
+LABELS = {"all_to_all": "reduce_scatter (all_to_all)"}
+
+
+# Setup #
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--n-layers", type=int, help="override the preset")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--steps", type=int, default=20, help="timed rounds")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
+    parser.add_argument("--block", type=int, default=1, help="steps per impl per round")
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--chrome-trace",
+        metavar="PATH",
+        help="rank 0 writes ours' CommTrace of the counted step here",
+    )
+    args = parser.parse_args()
+    impls = [name for name in args.impls.split(",") if name]
+    if not impls or any(name not in IMPLS for name in impls):
+        parser.error(f"--impls must be a comma-separated subset of {','.join(IMPLS)}")
+    for flag in ("steps", "block", "batch_size", "seq_len"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    args.impls = impls
+    return args
+
+
+def init_distributed(device_arg: str) -> torch.device:
+    """Join torchrun's process group: NCCL on CUDA, gloo on CPU."""
+    use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
+
+
+def build_config(args: argparse.Namespace) -> LlamaConfig:
+    config = PRESETS[args.model]()
+    overrides: dict[str, Any] = {"max_seq_len": args.seq_len}
+    if args.n_layers is not None:
+        overrides["n_layers"] = args.n_layers
+    return dataclasses.replace(config, **overrides)
+
+
+@dataclasses.dataclass
+class Impl:
+    """One implementation's model and optimizer, and how many steps it has taken."""
+
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    steps_taken: int = 0
+
+
+def build_impl(
+    name: str, config: LlamaConfig, mesh: DeviceMesh, device: torch.device, args: argparse.Namespace
+) -> Impl:
+    """Same seed for every implementation, so all three start from identical weights."""
+    torch.manual_seed(args.seed)
+    with device:
+        model = Llama(config)
+    if name == "ddp":
+        device_ids = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=device_ids)
+    else:
+        shard = dtensor_fsdp.fully_shard if name == "ours" else torch_fully_shard
+        for block in model.layers:
+            shard(block, mesh=mesh)
+        shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
+    return Impl(name, model, optimizer)
+
+
+def batch_for_step(
+    step: int, config: LlamaConfig, args: argparse.Namespace, device: torch.device
+) -> torch.Tensor:
+    """This rank's (batch_size, seq_len + 1) tokens of global step ``step``: the same for
+    every implementation, different on every rank."""
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tokens = torch.randint(
+        config.vocab_size, (args.batch_size * world, args.seq_len + 1), generator=generator
+    )
+    return tokens.chunk(world)[rank].to(device)
+
+
+def train_step(
+    impl: Impl, config: LlamaConfig, args: argparse.Namespace, device: torch.device
+) -> torch.Tensor:
+    tokens = batch_for_step(impl.steps_taken, config, args, device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # each (B, T)
+    loss = cross_entropy_loss(impl.model(inputs), targets)
+    loss.backward()
+    impl.optimizer.step()
+    impl.optimizer.zero_grad(set_to_none=True)
+    impl.steps_taken += 1
+    return loss.detach()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# Measurement #
+
+
+class C10dRecorder(TorchDispatchMode):
+    """Records each c10d collective that passes the dispatcher: (kind, unsharded bytes)."""
+
+    # op name -> (kind, index of the argument holding the unsharded buffer)
+    OPS: ClassVar[dict[str, tuple[str, int]]] = {
+        "_allgather_base_": ("all_gather", 0),
+        "allgather_into_tensor_coalesced_": ("all_gather", 0),
+        "allgather_": ("all_gather", 0),
+        "_reduce_scatter_base_": ("reduce_scatter", 1),
+        "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+        "reduce_scatter_": ("reduce_scatter", 1),
+        "alltoall_base_": ("all_to_all", 1),
+        "allreduce_": ("all_reduce", 0),
+        "allreduce_coalesced_": ("all_reduce", 0),
+        "broadcast_": ("broadcast", 0),
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            name = func._opname
+            kind, index = self.OPS.get(name, (name, None))
+            nbytes = _nbytes(args[index]) if index is not None else 0
+            self.records.append((kind, nbytes))
+        return func(*args, **(kwargs or {}))
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(item) for item in value)
+    return 0
+
+
+def ring_wire_bytes(kind: str, nbytes: float, world: int) -> float:
+    factor = 2 if kind == "all_reduce" else 1
+    return factor * (world - 1) / world * nbytes
+
+
+def reset_peak(tracker: MemTracker) -> None:
+    """Start MemTracker's peak afresh from the current live memory.
+
+    MemTracker has no public reset; these are the two fields its ``__enter__`` sets
+    (checked on torch 2.13). Without them the peak would also cover the model build
+    and step 1.
+    """
+    if not hasattr(tracker, "_peak_mem") or not hasattr(tracker, "_peak_mem_snap"):
+        raise RuntimeError("MemTracker's peak fields changed: update reset_peak()")
+    tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
+    tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._peak_mem_snap.items()}
+
+
+def total_bytes(snapshot: dict[torch.device, dict[str, int]]) -> int:
+    return sum(snap["Total"] for dev, snap in snapshot.items() if dev.type == "cpu")
+
+
+@dataclasses.dataclass
+class Isolated:
+    """What one implementation measured alone: memory and one step's collectives."""
+
+    live_at_step_bytes: int
+    peak_bytes: int
+    comms: dict[str, dict[str, float]]
+    """kind -> {"count", "nbytes", "wire_bytes"} per step"""
+    ddp_bucket_sizes: list[int] | None = None
+    trace_summary: dict[str, Any] | None = None
+
+
+def measure_memory(
+    impl_factory: Callable[[], Impl],
+    config: LlamaConfig,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> tuple[Impl, int, int]:
+    """Build the impl, take a warmup step, and measure the peak of the next step."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        impl = impl_factory()
+        train_step(impl, config, args, device)
+        sync(device)
+        at_step = torch.cuda.memory_allocated(device) - base
+        torch.cuda.reset_peak_memory_stats(device)
+        train_step(impl, config, args, device)
+        sync(device)
+        return impl, at_step, torch.cuda.max_memory_allocated(device) - base
+    with MemTracker() as tracker:
+        impl = impl_factory()
+        train_step(impl, config, args, device)
+        at_step = total_bytes(tracker.get_tracker_snapshot("current"))
+        tracker.reset_mod_stats()  # MemTracker refuses a second iteration otherwise
+        reset_peak(tracker)
+        train_step(impl, config, args, device)
+        peak = total_bytes(tracker.get_tracker_snapshot("peak"))
+    return impl, at_step, peak
+
+
+def summarize(records: list[tuple[str, int]], world: int) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for kind, nbytes in records:
+        entry = out.setdefault(kind, {"count": 0, "nbytes": 0, "wire_bytes": 0.0})
+        entry["count"] += 1
+        entry["nbytes"] += nbytes
+        entry["wire_bytes"] += ring_wire_bytes(kind, nbytes, world)
+    return out
+
+
+def count_comms(
+    impl: Impl, config: LlamaConfig, args: argparse.Namespace, device: torch.device
+) -> Isolated:
+    """One step under the c10d recorder (and ours' CommTrace); DDP from its buckets."""
+    world = dist.get_world_size()
+    if impl.name == "ddp":
+        train_step(impl, config, args, device)
+        logging = impl.model._get_ddp_logging_data()
+        sizes = [int(s) for s in str(logging.get("bucket_sizes", "")).split(",") if s]
+        comms = {
+            "all_reduce": {
+                "count": len(sizes),
+                "nbytes": sum(sizes),
+                "wire_bytes": ring_wire_bytes("all_reduce", sum(sizes), world),
+            }
+        }
+        return Isolated(0, 0, comms, ddp_bucket_sizes=sizes)
+    trace = dtensor_fsdp.CommTrace() if impl.name == "ours" else None
+    if trace is not None:
+        impl.model.set_comm_trace(trace)
+    with C10dRecorder() as recorder:
+        train_step(impl, config, args, device)
+    sync(device)
+    comms = summarize(recorder.records, world)
+    isolated = Isolated(0, 0, comms)
+    if trace is not None:
+        impl.model.set_comm_trace(None)
+        check_trace_matches(trace, recorder.records)
+        isolated.trace_summary = trace.summary()
+        if args.chrome_trace and dist.get_rank() == 0:
+            trace.export_chrome_trace(args.chrome_trace)
+    return isolated
+
+
+def check_trace_matches(trace: Any, records: list[tuple[str, int]]) -> None:
+    """Ours' CommTrace must list exactly the collectives the dispatcher saw."""
+    kind_of = {"all_to_all": "reduce_scatter"}  # ours reduce-scatters by all-to-all on gloo
+    seen = sorted((kind_of.get(kind, kind), nbytes) for kind, nbytes in records)
+    traced = sorted((event.kind, event.nbytes) for event in trace.events)
+    if seen != traced:
+        raise AssertionError(f"CommTrace {traced} != c10d ops {seen}")
+
+
+def run_isolated(
+    name: str, mesh: DeviceMesh, config: LlamaConfig, args: argparse.Namespace, device: torch.device
+) -> Isolated:
+    impl, at_step, peak = measure_memory(
+        lambda: build_impl(name, config, mesh, device, args), config, args, device
+    )
+    isolated = count_comms(impl, config, args, device)
+    isolated.live_at_step_bytes, isolated.peak_bytes = at_step, peak
+    del impl
+    gc.collect()  # FSDP state <-> module cycles: free this impl before the next one
+    return isolated
+
+
+def time_rounds(
+    impls: list[Impl], config: LlamaConfig, args: argparse.Namespace, device: torch.device
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Interleaved rounds; returns per impl the slowest-rank step times and rank 0 losses."""
+    times: dict[str, list[float]] = {impl.name: [] for impl in impls}
+    losses: dict[str, list[float]] = {impl.name: [] for impl in impls}
+    for round_index in range(args.warmup + args.steps):
+        shift = round_index % len(impls)
+        for impl in impls[shift:] + impls[:shift]:
+            for _ in range(args.block):
+                dist.barrier()
+                sync(device)
+                start = time.perf_counter()
+                loss = train_step(impl, config, args, device)
+                sync(device)
+                elapsed = time.perf_counter() - start
+                losses[impl.name].append(loss.item())
+                if round_index >= args.warmup:
+                    times[impl.name].append(elapsed)
+    for name, values in times.items():
+        slowest = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        times[name] = slowest.tolist()
+    return times, losses
+
+
+# Analysis and report #
+
+
+def fsdp_group_bytes(config: LlamaConfig) -> tuple[list[int], int]:
+    """(param bytes of each block, param bytes of the root's own params), from a meta model."""
+    with torch.device("meta"):
+        model = Llama(config)
+    blocks = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.layers]
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return blocks, total - sum(blocks)
+
+
+def analytic_fsdp(config: LlamaConfig, world: int) -> dict[str, float]:
+    """The textbook FSDP step: every block all-gathered in forward and again in backward,
+    the root (not resharded after forward) once, and one reduce-scatter per group.
+
+    dtensor_fsdp keeps the last block of the forward unsharded into backward, where it
+    is needed first, so it issues one block all-gather less: ``ours_all_gathers``.
+    """
+    blocks, root = fsdp_group_bytes(config)
+    param_bytes = sum(blocks) + root
+    factor = (world - 1) / world
+    return {
+        "param_bytes": param_bytes,
+        "groups": len(blocks) + 1,
+        "all_gathers": 2 * len(blocks) + 1,
+        "ours_all_gathers": 2 * len(blocks),
+        "reduce_scatters": len(blocks) + 1,
+        "wire_bytes_bound": factor * (3 * sum(blocks) + 2 * root),
+        "ours_wire_bytes": factor * (3 * sum(blocks) - blocks[-1] + 2 * root),
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def comm_totals(comms: dict[str, dict[str, float]]) -> tuple[int, float, float]:
+    """(collectives, unsharded bytes, ring wire bytes) per step, over all kinds."""
+    kinds = [entry for kind, entry in comms.items() if kind != "broadcast"]
+    return (
+        int(sum(e["count"] for e in kinds)),
+        sum(e["nbytes"] for e in kinds),
+        sum(e["wire_bytes"] for e in kinds),
+    )
+
+
+def build_results(args, config, device, isolated, times, losses) -> dict[str, Any]:
+    world = dist.get_world_size()
+    results: dict[str, Any] = {
+        "model": args.model,
+        "config": dataclasses.asdict(config),
+        "world_size": world,
+        "device": device.type,
+        "backend": dist.get_backend(),
+        "torch": torch.__version__,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "block": args.block,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "analytic_fsdp": analytic_fsdp(config, world),
+        "impls": {},
+    }
+    for name, iso in isolated.items():
+        count, nbytes, wire = comm_totals(iso.comms)
+        gloo_wire = wire
+        if name == "torch" and dist.get_backend() == "gloo" and "reduce_scatter" in iso.comms:
+            gloo_wire += iso.comms["reduce_scatter"]["wire_bytes"]  # all-reduce + copy on gloo
+        step_times = times[name]
+        results["impls"][name] = {
+            "median_s": statistics.median(step_times),
+            "p10_s": percentile(step_times, 0.1),
+            "p90_s": percentile(step_times, 0.9),
+            "peak_bytes": iso.peak_bytes,
+            "live_at_step_bytes": iso.live_at_step_bytes,
+            "collectives": count,
+            "nbytes": nbytes,
+            "wire_bytes": wire,
+            "backend_wire_bytes": gloo_wire,
+            "comms": iso.comms,
+            "first_loss": losses[name][0],
+            "last_loss": losses[name][-1],
+            "ddp_bucket_sizes": iso.ddp_bucket_sizes,
+            "trace_summary": iso.trace_summary,
+        }
+    if "torch" in losses:
+        for name in losses:
+            diff = max(abs(a - b) for a, b in zip(losses[name], losses["torch"]))
+            results["impls"][name]["max_loss_diff_vs_torch"] = diff
+    return results
+
+
+def print_report(results: dict[str, Any]) -> None:
+    impls, analytic = results["impls"], results["analytic_fsdp"]
+    print(
+        f"\nmodel {results['model']} ({analytic['param_bytes'] / MiB:.1f} MiB params, "
+        f"{analytic['groups']} FSDP groups) | world {results['world_size']} | "
+        f"{results['device']}/{results['backend']} | torch {results['torch']} | batch "
+        f"{results['batch_size']}x{results['seq_len']} per rank | {results['steps']} timed "
+        f"rounds x {results['block']} after {results['warmup']} warmup"
+    )
+    header = (
+        f"{'impl':<6} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} {'peak MiB':>9} "
+        f"{'states MiB':>10} {'colls':>6} {'MiB/step':>9} {'wire MiB':>9} "
+        f"{'loss diff':>10}"
+    )
+    print(header + "\n" + "-" * len(header))
+    for name, r in impls.items():
+        print(
+            f"{name:<6} {r['median_s'] * 1e3:>10.1f} {r['p10_s'] * 1e3:>8.1f} "
+            f"{r['p90_s'] * 1e3:>8.1f} {r['peak_bytes'] / MiB:>9.1f} "
+            f"{r['live_at_step_bytes'] / MiB:>10.1f} {r['collectives']:>6} "
+            f"{r['nbytes'] / MiB:>9.2f} {r['wire_bytes'] / MiB:>9.2f} "
+            f"{r.get('max_loss_diff_vs_torch', float('nan')):>10.2e}"
+        )
+    for name, r in impls.items():
+        kinds = ", ".join(
+            f"{LABELS.get(k, k)} {int(v['count'])} x {v['nbytes'] / MiB:.2f} MiB"
+            for k, v in r["comms"].items()
+        )
+        extra = ""
+        if r["ddp_bucket_sizes"] is not None:
+            extra = f" (analytic from DDP's {len(r['ddp_bucket_sizes'])} buckets)"
+        if r["backend_wire_bytes"] != r["wire_bytes"]:
+            extra += (
+                f" (gloo reduce_scatter_tensor = all-reduce: real wire "
+                f"{r['backend_wire_bytes'] / MiB:.2f} MiB)"
+            )
+        print(f"  {name}: {kinds}{extra}")
+    print(
+        f"analytic FSDP per step: {analytic['all_gathers']} all-gathers + "
+        f"{analytic['reduce_scatters']} reduce-scatters, ring wire bound "
+        f"{analytic['wire_bytes_bound'] / MiB:.2f} MiB"
+    )
+    print(
+        f"  ours by design: {analytic['ours_all_gathers']} all-gathers (the last forward "
+        f"block stays unsharded into backward), {analytic['ours_wire_bytes'] / MiB:.2f} MiB"
+    )
+    for name in ("ours", "torch"):
+        if name in impls:
+            ratio = impls[name]["wire_bytes"] / analytic["wire_bytes_bound"]
+            impls[name]["wire_vs_bound"] = ratio
+            print(f"  {name} ring wire / bound = {ratio:.4f}")
+    print_ratios(impls)
+
+
+def print_ratios(impls: dict[str, Any]) -> None:
+    if "ours" not in impls:
+        return
+    for other in ("torch", "ddp"):
+        if other in impls:
+            t = impls["ours"]["median_s"] / impls[other]["median_s"]
+            m = impls["ours"]["peak_bytes"] / impls[other]["peak_bytes"]
+            impls["ours"][f"time_ratio_vs_{other}"] = t
+            impls["ours"][f"peak_ratio_vs_{other}"] = m
+            print(f"ours/{other}: time {t:.3f}x, peak memory {m:.3f}x")
+
+
+def main() -> None:
+    args = parse_args()
+    if dtensor_fsdp is None:
+        if "ours" in args.impls and int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"bench_train: skipping 'ours': import dtensor_fsdp failed: {_OURS_IMPORT_ERROR}",
+                file=sys.stderr,
+            )
+        args.impls = [name for name in args.impls if name != "ours"]
+    device = init_distributed(args.device)
+    try:
+        config = build_config(args)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        isolated = {name: run_isolated(name, mesh, config, args, device) for name in args.impls}
+        impls = [build_impl(name, config, mesh, device, args) for name in args.impls]
+        times, losses = time_rounds(impls, config, args, device)
+        if dist.get_rank() == 0:
+            results = build_results(args, config, device, isolated, times, losses)
+            print_report(results)
+            print("BENCH_JSON " + json.dumps(results), flush=True)
+        del impls
+    finally:
+        # FSDP's module <-> state cycles keep the mesh (and its group) alive until the
+        # cyclic GC runs; at interpreter exit gloo's teardown can abort. Collect first.
+        gc.collect()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

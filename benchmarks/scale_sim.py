@@ -1,0 +1,206 @@
+"""Shard Llama 7B / 70B shapes at W = 8, 64, 1024 in one process, and predict memory.
+
+    python3 benchmarks/scale_sim.py                     # dtensor_fsdp
+    python3 benchmarks/scale_sim.py --impl torch        # torch's fully_shard, same report
+    python3 benchmarks/scale_sim.py --models llama_7b --world-sizes 8,16
+
+No GPU, no real ranks, no parameter memory: the model is built on the ``meta`` device and
+sharded over torch's ``fake`` process group, which accepts any world size and does no
+communication. Each world size gets a fresh group (destroyed and re-initialized), built
+twice: as rank 0 and as the last rank, so both ends of ``torch.chunk``'s split are
+checked. ``fully_shard`` goes on each ``TransformerBlock``, then on the root, as in
+``train.py``; the root keeps ``reshard_after_forward=None`` (False for the root).
+
+Checked (assert) for every parameter: the DTensor's global shape is the original shape,
+and its local shape on rank r is ``torch.chunk(param, W, dim=0)[r]``'s (empty past the
+last chunk: e.g. 32000 vocabulary rows over 1024 ranks make 1000 chunks of 32), and the
+local sizes over all ranks add up to the parameter's size.
+
+Reported per (model, W), for one rank (rank 0, which holds the most):
+
+- groups: ``fully_shard`` groups (blocks + root) and parameters per block / root;
+- sharded MiB: sum of ``p.to_local()`` bytes on rank 0 (meta tensors have real shapes);
+- AG buf MiB: the largest group's unsharded bytes, padded to W equal shards: the
+  all-gather output, i.e. the transient buffer a forward or backward needs;
+- collectives per step: all-gathers = 2 per group resharded after forward + 1 for the
+  root; reduce-scatters = one per group;
+- wire MiB: per-rank ring traffic per step, (W-1)/W * (3 * block bytes + 2 * root bytes);
+- pred GiB: per-rank memory for fp32 AdamW training without activations =
+  sharded params + sharded grads + 2 sharded optimizer states (exp_avg, exp_avg_sq)
+  + 2 x the largest all-gather buffer (the current group and the prefetched next one);
+- pred+root: the same with the root's unsharded parameters counted for the whole step
+  (the root is not resharded after forward) plus 2 x the largest *block* buffer; closer
+  to the real peak when the root (embeddings + output) is the largest group.
+"""
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from dtensor_fsdp.models.llama import PRESETS, Llama
+
+GiB, MiB = 2**30, 2**20
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impl", choices=("ours", "torch"), default="ours")
+    parser.add_argument("--models", default="llama_7b,llama_70b")
+    parser.add_argument("--world-sizes", default="8,64,1024")
+    args = parser.parse_args()
+    args.models = args.models.split(",")
+    args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
+    if any(name not in PRESETS for name in args.models):
+        parser.error(f"--models must be among {sorted(PRESETS)}")
+    if any(w < 1 for w in args.world_sizes):
+        parser.error("--world-sizes must be positive")
+    return args
+
+
+def fully_shard_fn(impl: str):
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from dtensor_fsdp import fully_shard
+    return fully_shard
+
+
+def chunk_shapes(shape: torch.Size, world: int) -> list[torch.Size]:
+    """Every rank's dim-0 chunk shape under torch.chunk; ranks past the last chunk get 0 rows."""
+    chunks = [c.shape for c in torch.empty(shape, device="meta").chunk(world, dim=0)]
+    return chunks + [torch.Size((0, *shape[1:]))] * (world - len(chunks))
+
+
+def padded_unsharded_bytes(params: list[nn.Parameter], world: int) -> int:
+    """All-gather output of one group: W shards, each padded to ceil(dim0 / W) rows."""
+    per_rank = sum(math.ceil(p.shape[0] / world) * p[0].numel() * p.element_size() for p in params)
+    return world * per_rank
+
+
+def shard_model(model_name: str, world: int, rank: int, impl: str) -> tuple[Llama, dict]:
+    """Build on meta, record the original shapes, shard blocks then root; rank ``rank``."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        model = Llama(PRESETS[model_name]())
+    global_shapes = {name: p.shape for name, p in model.named_parameters()}
+    groups = [list(block.parameters()) for block in model.layers]
+    block_ids = {id(p) for group in groups for p in group}
+    groups.append([p for p in model.parameters() if id(p) not in block_ids])  # the root
+    info = {
+        "block_params": sum(p.numel() for p in groups[0]),
+        "root_params": sum(p.numel() for p in groups[-1]),
+        "n_blocks": len(groups) - 1,
+        "block_bytes": sum(p.numel() * p.element_size() for g in groups[:-1] for p in g),
+        "root_bytes": sum(p.numel() * p.element_size() for p in groups[-1]),
+        "ag_buffer_bytes": max(padded_unsharded_bytes(g, world) for g in groups),
+        "block_buffer_bytes": max(padded_unsharded_bytes(g, world) for g in groups[:-1]),
+        "root_buffer_bytes": padded_unsharded_bytes(groups[-1], world),
+        "global_shapes": global_shapes,
+    }
+    fully_shard = fully_shard_fn(impl)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, info
+
+
+def check_and_measure(model: Llama, info: dict, world: int, rank: int) -> int:
+    """Assert the sharding invariants; return this rank's sharded bytes."""
+    sharded_bytes = 0
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor), f"{name} is not a DTensor"
+        global_shape = info["global_shapes"][name]
+        assert param.shape == global_shape, f"{name}: global {param.shape} != {global_shape}"
+        expected = chunk_shapes(global_shape, world)
+        assert sum(s.numel() for s in expected) == global_shape.numel(), name
+        local = param.to_local()
+        assert local.shape == expected[rank], (
+            f"{name} on rank {rank}/{world}: local {tuple(local.shape)} != "
+            f"torch.chunk {tuple(expected[rank])}"
+        )
+        sharded_bytes += local.numel() * local.element_size()
+    return sharded_bytes
+
+
+def simulate(model_name: str, world: int, impl: str) -> dict:
+    """One (model, W): shard as rank 0 and as the last rank, check both, predict memory."""
+    sharded = {}
+    for rank in sorted({0, world - 1}):
+        model, info = shard_model(model_name, world, rank, impl)
+        sharded[rank] = check_and_measure(model, info, world, rank)
+        del model
+        dist.destroy_process_group()
+    total_bytes = info["block_bytes"] + info["root_bytes"]
+    if world == 1:
+        assert sharded[0] == total_bytes
+    # Rank 0 holds ceil-sized chunks of every parameter: at least 1/W of the model.
+    assert sharded[0] * world >= total_bytes, (sharded[0], world, total_bytes)
+    n_groups = info["n_blocks"] + 1
+    factor = (world - 1) / world
+    predicted = 4 * sharded[0] + 2 * info["ag_buffer_bytes"]
+    # The root is not resharded after forward: its unsharded params stay from its
+    # forward to its backward, while blocks are gathered one (plus one prefetched) at a time.
+    predicted_root_kept = (
+        4 * sharded[0] + info["root_buffer_bytes"] + 2 * info["block_buffer_bytes"]
+    )
+    return {
+        "model": model_name,
+        "world": world,
+        "groups": n_groups,
+        "block_params": info["block_params"],
+        "root_params": info["root_params"],
+        "total_params": total_bytes // 4,
+        "sharded_bytes_rank0": sharded[0],
+        "sharded_bytes_last": sharded[world - 1],
+        "ag_buffer_bytes": info["ag_buffer_bytes"],
+        "all_gathers": 2 * info["n_blocks"] + 1,
+        "reduce_scatters": n_groups,
+        "wire_bytes": factor * (3 * info["block_bytes"] + 2 * info["root_bytes"]),
+        "predicted_bytes": predicted,
+        "predicted_root_kept_bytes": predicted_root_kept,
+    }
+
+
+def print_table(rows: list[dict], impl: str) -> None:
+    print(f"fully_shard impl: {impl} | fp32 | AdamW | blocks + root (root not resharded)")
+    header = (
+        f"{'model':<10} {'W':>5} {'groups':>6} {'params/block':>13} {'params/root':>12} "
+        f"{'sharded MiB':>12} {'(last rank)':>11} {'AG buf MiB':>11} {'AG/step':>8} "
+        f"{'RS/step':>8} {'wire GiB':>9} {'pred GiB':>9} {'pred+root':>9}"
+    )
+    print(header + "\n" + "-" * len(header))
+    for r in rows:
+        print(
+            f"{r['model']:<10} {r['world']:>5} {r['groups']:>6} {r['block_params']:>13,} "
+            f"{r['root_params']:>12,} {r['sharded_bytes_rank0'] / MiB:>12.1f} "
+            f"{r['sharded_bytes_last'] / MiB:>11.1f} {r['ag_buffer_bytes'] / MiB:>11.1f} "
+            f"{r['all_gathers']:>8} {r['reduce_scatters']:>8} {r['wire_bytes'] / GiB:>9.2f} "
+            f"{r['predicted_bytes'] / GiB:>9.2f} {r['predicted_root_kept_bytes'] / GiB:>9.2f}"
+        )
+    print(
+        "pred GiB = 4 x sharded (params, grads, exp_avg, exp_avg_sq) + 2 x AG buf "
+        "(current + prefetched group); activations excluded\n"
+        "pred+root = 4 x sharded + root's unsharded params (kept from forward to backward) "
+        "+ 2 x largest block's AG buf"
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    start = time.perf_counter()
+    rows = [simulate(m, w, args.impl) for m in args.models for w in args.world_sizes]
+    print_table(rows, args.impl)
+    print(f"all invariants hold | {time.perf_counter() - start:.1f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
