@@ -8,6 +8,8 @@ Launch with torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE:
     torchrun --nproc-per-node 8 train.py --device cuda   # one GPU per rank + NCCL
     torchrun --nproc-per-node 2 train.py --mixed-precision bf16 --grad-accum 4 \
         --activation-checkpointing --meta-init --cpu-offload
+    torchrun --nproc-per-node 2 train.py --checkpoint-dir ckpt --checkpoint-every 10
+    torchrun --nproc-per-node 4 train.py --checkpoint-dir ckpt --resume --batch-size 4
 
 Parallelism: the world is a mesh of ``replicate x shard x tp`` ranks, where
 ``shard = world / (replicate * tp)``; axes of size 1 are left out of the mesh:
@@ -56,6 +58,7 @@ from dtensor_fsdp import (
     fully_shard,
     init_unsharded,
 )
+from dtensor_fsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dtensor_fsdp.models.llama import (
     PRESETS,
     Llama,
@@ -119,6 +122,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--meta-init", action="store_true", help="build on the meta device, init after sharding"
     )
     parser.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="save distributed checkpoints (DCP) here"
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, metavar="N", help="save every N steps"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in --checkpoint-dir (any world size)",
+    )
+    parser.add_argument(
         "--metrics-out",
         metavar="PATH",
         help="rank 0 writes per-step losses and grad norms and the final "
@@ -128,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("replicate", "tp", "steps", "batch_size", "grad_accum"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+        parser.error("--checkpoint-every and --resume need --checkpoint-dir")
     return args
 
 
@@ -331,6 +347,38 @@ def train_step(
     return total_loss, grad_norm
 
 
+def resume(
+    args: argparse.Namespace,
+    model: Llama,
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+    global_rows: int,
+) -> int:
+    """Load the newest complete checkpoint, if any; returns the steps already done.
+
+    Model and optimizer are resharded by DCP to this run's layout. The data stream and
+    RNG are global (every rank draws the same global batch), so they carry over to any
+    world size; the run continues exactly if the global batch is the same.
+    """
+    path = latest_checkpoint(args.checkpoint_dir)
+    if path is None:
+        if dist.get_rank() == 0:
+            print(f"resume: no complete checkpoint in {args.checkpoint_dir}, starting fresh")
+        return 0
+    loaded = load_checkpoint(path, model, optimizer)
+    if loaded.extra["global_rows"] != global_rows:
+        raise ValueError(
+            f"resume: {path} was trained with a global batch of {loaded.extra['global_rows']} "
+            f"rows, this run has {global_rows}: set --batch-size so that batch-size x "
+            "data-parallel size x grad-accum matches, to continue exactly"
+        )
+    generator.set_state(loaded.extra["data_generator"])
+    torch.set_rng_state(loaded.extra["torch_rng"])
+    if dist.get_rank() == 0:
+        print(f"resume: {path} (step {loaded.step}, saved on {loaded.world_size} ranks)")
+    return loaded.step
+
+
 def mean_over_ranks(value: torch.Tensor) -> float:
     """Average a scalar over all ranks; SUM then divide, since gloo has no AVG.
 
@@ -379,8 +427,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             flush=True,
         )
 
+    done = resume(args, model, optimizer, generator, global_rows) if args.resume else 0
     throughputs, losses, grad_norms = [], [], []
-    for step in range(1, args.steps + 1):
+    for step in range(done + 1, args.steps + 1):
         start = time.perf_counter()
         global_batch = synthetic_batch(generator, global_rows, seq_len, config.vocab_size)
         tokens = local_rows(global_batch, parallelism.dp_rank, parallelism.dp_size).to(device)
@@ -394,10 +443,17 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                 f"tok/s {throughputs[-1]:,.0f} | peak_mem {peak_memory_mib(device):,.0f} MiB",
                 flush=True,
             )
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            extra = {
+                "data_generator": generator.get_state(),
+                "torch_rng": torch.get_rng_state(),
+                "global_rows": global_rows,
+            }
+            save_checkpoint(args.checkpoint_dir, step, model, optimizer, extra)
     if args.metrics_out:
         write_metrics(args.metrics_out, model, losses, grad_norms)
 
-    if rank == 0:
+    if rank == 0 and throughputs:
         # Step 1 pays for lazy init and allocator warm-up, so it is left out.
         steady = throughputs[1:] or throughputs
         print(
