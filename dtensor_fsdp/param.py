@@ -174,19 +174,7 @@ class FSDPParam:
             device=self._padded_shard.device,
         )  # (*padded_unsharded_shape): W padded chunks along the shard dim
         self._padded_unsharded = padded
-        unsharded = padded[: self.shape[0]]  # (*shape)
-        if self.layout.unsharded_mesh is not None:
-            # TP: the unsharded param is the original TP DTensor, so TP's module hooks
-            # and DTensor ops run on it unchanged.
-            with torch.no_grad():
-                unsharded = DTensor.from_local(
-                    unsharded,
-                    self.layout.unsharded_mesh,
-                    self.layout.unsharded_placements,
-                    run_check=False,
-                    shape=self.global_shape,
-                    stride=_contiguous_stride(self.global_shape),
-                )
+        unsharded = self._as_unsharded(padded[: self.shape[0]])  # (*shape)
         self.unsharded_param = nn.Parameter(unsharded, self.requires_grad)
         if self.requires_grad:
             self.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
@@ -349,6 +337,22 @@ class FSDPParam:
         else:
             grad.to_local().add_(local)
 
+    def _as_unsharded(self, data: torch.Tensor) -> torch.Tensor:
+        """``data`` (of ``shape``) as the unsharded param's tensor: itself, or for a
+        DTensor param (TP) the original DTensor again, so TP's module hooks and DTensor
+        ops run on it unchanged."""
+        if self.layout.unsharded_mesh is None:
+            return data
+        with torch.no_grad():
+            return DTensor.from_local(
+                data,
+                self.layout.unsharded_mesh,
+                self.layout.unsharded_placements,
+                run_check=False,
+                shape=self.global_shape,
+                stride=_contiguous_stride(self.global_shape),
+            )
+
     def _sharded_dtensor(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(
             local,
@@ -380,18 +384,8 @@ class FSDPParam:
     def register_full_for_init(self) -> nn.Parameter:
         """Register a temporary full parameter in the original dtype, for init code to
         fill exactly as it would fill the unsharded model."""
-        device = self._padded_shard.device
-        full: torch.Tensor = torch.empty(self.shape, dtype=self.dtype, device=device)
-        if self.layout.unsharded_mesh is not None:
-            full = DTensor.from_local(
-                full,
-                self.layout.unsharded_mesh,
-                self.layout.unsharded_placements,
-                run_check=False,
-                shape=self.global_shape,
-                stride=_contiguous_stride(self.global_shape),
-            )
-        param = nn.Parameter(full, requires_grad=self.requires_grad)
+        full = torch.empty(self.shape, dtype=self.dtype, device=self._padded_shard.device)
+        param = nn.Parameter(self._as_unsharded(full), requires_grad=self.requires_grad)
         self._register(param)
         return param
 
