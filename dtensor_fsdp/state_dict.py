@@ -16,6 +16,7 @@
   plain state dict for an unsharded model (``safetensors.torch.load_file`` reads it too).
 """
 
+import ctypes
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -144,9 +145,7 @@ def save_full_state_dict(module: nn.Module, path: str) -> None:
     for value in state_dict.values():
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if is_writer:
-            handle.write(
-                full.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
-            )
+            handle.write(_host_bytes(full))
     if is_writer:
         handle.close()
         os.replace(temporary, path)
@@ -169,6 +168,12 @@ def load_full_state_dict(path: str) -> dict[str, torch.Tensor]:
         flat = torch.frombuffer(data, dtype=torch.uint8, count=end - start, offset=start)
         state_dict[key] = flat.view(by_name[entry["dtype"]]).reshape(entry["shape"]).clone()
     return state_dict
+
+
+def _host_bytes(tensor: torch.Tensor) -> bytes:
+    """The raw bytes of ``tensor``, copied to the host (no numpy dependency)."""
+    host = tensor.detach().contiguous().cpu()
+    return ctypes.string_at(host.data_ptr(), host.numel() * host.element_size())
 
 
 def _safetensors_dtype(key: str, dtype: torch.dtype) -> str:
