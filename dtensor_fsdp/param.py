@@ -301,6 +301,11 @@ class FSDPParam:
     def clear_unsharded_grad(self) -> None:
         self.unsharded_param.grad = None
 
+    def discard_pending_grads(self) -> None:
+        self.clear_unsharded_grad()
+        self._accumulated_grad = None
+        self.partial_reduced_grad = None
+
     def accumulate_unsharded_grad(self) -> None:
         """No gradient sync this backward: fold the unsharded grad into a reduce_dtype
         accumulator when param_dtype is lower, so micro-batches add in full precision."""

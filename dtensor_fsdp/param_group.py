@@ -203,6 +203,8 @@ class FSDPParamGroup:
             if not async_op:
                 self.wait_for_unshard()
             return
+        if not self.unshard_in_backward and self._phase() == "backward":
+            return  # set_unshard_in_backward(False): prefetches are skipped too
         source = self._all_gather_source_now()
         self._record("unshard")
         self._all_gather_issued_s = time.perf_counter()
@@ -298,8 +300,7 @@ class FSDPParamGroup:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         self._record("pre_backward")
-        if self.unshard_in_backward:
-            self.unshard()
+        self.unshard()
 
     def _free_after_grad(self, fsdp_param: FSDPParam) -> None:
         """A parameter's unsharded grad is complete, so no backward op still needs its
@@ -346,6 +347,12 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
         self._forwarded_modules.clear()
         self._pending_post_backward_nodes = 0
+
+    def discard_gradients(self) -> None:
+        """After an exception: drop every gradient FSDP holds for the failed iteration
+        (unsharded grads, no-sync and HSDP partial accumulations), as torch does."""
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.discard_pending_grads()
 
     # Communication helpers #
 
@@ -447,7 +454,8 @@ class FSDPParamGroup:
             fsdp_param.clear_unsharded_grad()
         assert self.ctx is not None, f"{self.fqn}: post-backward before lazy init"
         self.ctx.enqueue_reduce_scatter(
-            lambda: self._finish_reduce_scatter(result, with_grad, post_divisor, issued_s)
+            lambda: self._finish_reduce_scatter(result, with_grad, post_divisor, issued_s),
+            lambda: result.work.wait() if result.work is not None else None,
         )
 
     def _divisors(self, plan: ReduceScatterPlan, reduce_dtype: torch.dtype) -> tuple[float, float]:

@@ -47,8 +47,11 @@ class CommContext:
         self.is_in_forward = False  # between the root's pre- and post-forward
         self._deferred_reshard: Prefetchable | None = None
         self.is_backward_callback_queued = False
-        # Each entry waits for one reduce-scatter and lands its sharded grads.
-        self._pending_reduce_scatters: deque[Callable[[], None]] = deque()
+        # One entry per issued reduce-scatter: (finish: wait and land its sharded grads,
+        # abandon: wait only, after an exception).
+        self._pending_reduce_scatters: deque[tuple[Callable[[], None], Callable[[], None]]] = (
+            deque()
+        )
 
     # Forward #
 
@@ -97,16 +100,25 @@ class CommContext:
                 return [order[index - 1]]
         return []
 
-    def enqueue_reduce_scatter(self, finish: Callable[[], None]) -> None:
+    def enqueue_reduce_scatter(
+        self, finish: Callable[[], None], abandon: Callable[[], None]
+    ) -> None:
         """Track an issued reduce-scatter; finish the oldest ones beyond the bound."""
-        self._pending_reduce_scatters.append(finish)
+        self._pending_reduce_scatters.append((finish, abandon))
         while len(self._pending_reduce_scatters) > self.max_in_flight_reduce_scatters:
-            self._pending_reduce_scatters.popleft()()
+            self._pending_reduce_scatters.popleft()[0]()
 
     def wait_for_reduce_scatters(self) -> None:
         """Finish every in-flight reduce-scatter, oldest first."""
         while self._pending_reduce_scatters:
-            self._pending_reduce_scatters.popleft()()
+            self._pending_reduce_scatters.popleft()[0]()
+
+    def abandon_reduce_scatters(self) -> None:
+        """After an exception: wait for the in-flight reduce-scatters (their buffers must
+        outlive the collectives) but drop their results: a failed step's gradients must
+        not land on the next step's."""
+        while self._pending_reduce_scatters:
+            self._pending_reduce_scatters.popleft()[1]()
 
     def reset(self) -> None:
         """Drop per-iteration state (end of backward, or after an exception)."""

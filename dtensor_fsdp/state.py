@@ -186,11 +186,15 @@ class FSDPState:
             getattr(torch, offloaded[0].device.type).current_stream().synchronize()
 
     def reset_iter_state(self) -> None:
-        """Recover after an exception in forward or backward (root only)."""
+        """Recover after an exception in forward or backward (root only): the failed
+        iteration's in-flight reduce-scatters and gradients are discarded."""
+        if self.ctx is not None:
+            self.ctx.abandon_reduce_scatters()
         for state in self.states_in_tree or [self]:
             if state.group is not None:
                 state.group.reshard()
                 state.group.reset_iter_state()
+                state.group.discard_gradients()
         if self.ctx is not None:
             self.ctx.reset()
 

@@ -1,0 +1,242 @@
+"""Gradient accumulation on 2 gloo ranks: ``set_requires_gradient_sync``,
+``set_reshard_after_backward`` and the user-written ``no_sync`` pattern.
+
+Each optimizer step runs ``MICRO`` micro-batches per rank, each loss scaled by
+``1 / MICRO``; gradients are synchronized on the last one only. That must equal one
+step of a single-process model on the global batch (every micro-batch of every rank).
+The model is test_comm.py's 3-group MLP (block 0, block 2, the root's head), whose
+collective sizes that file explains. One spawn runs every scenario.
+"""
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from dtensor_fsdp import CommTrace, MixedPrecisionPolicy, fully_shard
+from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests.dist._parity import assert_pairs_close, full_pairs, make_optimizer
+
+WORLD_SIZE = 2
+MICRO = 3  # micro-batches per optimizer step
+STEPS = 2
+BATCH = 2  # rows per rank per micro-batch
+BF16_POLICY = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _shard(model: nn.Sequential, mesh: Any, shard: Any = fully_shard, **kwargs: Any) -> nn.Sequential:
+    for block in (model[0], model[2]):
+        shard(block, mesh=mesh, **kwargs)
+    shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(MICRO, WORLD_SIZE * BATCH, ...): micro-batch m, then rank-major rows."""
+    gen = torch.Generator().manual_seed(100 + step)
+    return (
+        torch.randn(MICRO, WORLD_SIZE * BATCH, 8, generator=gen),
+        torch.randn(MICRO, WORLD_SIZE * BATCH, 3, generator=gen),
+    )
+
+
+def _micro_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, rank: int) -> torch.Tensor:
+    xm, ym = x[m].chunk(WORLD_SIZE)[rank], y[m].chunk(WORLD_SIZE)[rank]
+    return F.mse_loss(model(xm).float(), ym) / MICRO
+
+
+def _ref_step(ref: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    F.mse_loss(ref(x.flatten(0, 1)).float(), y.flatten(0, 1)).backward()
+
+
+def _render(trace: CommTrace) -> str:
+    return " ".join(
+        f"{e.kind}({e.fqn or 'root'},{e.phase[0]})"
+        for e in sorted(trace.events, key=lambda e: e.start_s)
+    ) or "-"
+
+
+def _accumulate(rank: int, mesh: Any, how: str) -> dict[str, Any]:
+    """STEPS optimizer steps of MICRO micro-batches; ``how`` picks the accumulation API.
+
+    Records per step: full grads and params next to the reference's, and per
+    micro-batch the collectives and (``keep``) the unsharded storage after backward.
+    """
+    base = _mlp()
+    ref = copy.deepcopy(base)
+    model = _shard(base, mesh)
+    optim, ref_optim = make_optimizer(model.parameters()), make_optimizer(ref.parameters())
+    steps = []
+    for step in range(STEPS):
+        x, y = _global_batch(step)
+        micro: list[dict[str, Any]] = []
+        for m in range(MICRO):
+            last = m == MICRO - 1
+            trace = CommTrace()
+            model.set_comm_trace(trace)
+            if how == "no_sync_context" and not last:
+                with no_sync(model):
+                    _micro_loss(model, x, y, m, rank).backward()
+            else:
+                if how in ("sync_last", "keep"):
+                    model.set_requires_gradient_sync(last)
+                if how == "keep":
+                    model.set_reshard_after_backward(last)
+                _micro_loss(model, x, y, m, rank).backward()
+            micro.append({
+                "comms": _render(trace),
+                "unsharded_bytes": sum(
+                    p.unsharded_param.untyped_storage().nbytes()
+                    for module in (model, model[0], model[2])
+                    for p in module._get_fsdp_state().group.fsdp_params
+                ),
+                "has_sharded_grad": [p.grad is not None for p in model.parameters()],
+            })
+        _ref_step(ref, x, y)
+        rec = {"micro": micro, "grads": full_pairs(model, ref, grads=True)}
+        optim.step()
+        ref_optim.step()
+        optim.zero_grad()
+        ref_optim.zero_grad()
+        rec["params"] = full_pairs(model, ref, grads=False)
+        steps.append(rec)
+    return {"steps": steps}
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """The FSDP1/DDP ``no_sync()`` pattern, written by a user on the FSDP2 API."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _bf16_against_torch(rank: int, mesh: Any) -> dict[str, Any]:
+    """bf16 compute, fp32 reduction: ours and torch's fully_shard accumulate the same
+    micro-batches; local grads and shards per step, plus the fp32 reference's."""
+    base = _mlp()
+    ref = copy.deepcopy(base)
+    ref_bf16 = copy.deepcopy(base).to(torch.bfloat16)  # one bf16 step on the global batch
+    theirs = _shard(
+        copy.deepcopy(base), mesh, torch_fully_shard, mp_policy=TorchMixedPrecisionPolicy(**BF16_POLICY)
+    )
+    ours = _shard(base, mesh, mp_policy=MixedPrecisionPolicy(**BF16_POLICY))
+    optims = [make_optimizer(m.parameters()) for m in (ours, theirs, ref)]
+    steps = []
+    for step in range(STEPS):
+        x, y = _global_batch(step)
+        for m in range(MICRO):
+            for model in (ours, theirs):
+                model.set_requires_gradient_sync(m == MICRO - 1)
+                _micro_loss(model, x, y, m, rank).backward()
+        _ref_step(ref, x, y)
+        if step == 0:
+            _ref_step(ref_bf16, x.bfloat16(), y)
+        their_params = dict(theirs.named_parameters())
+        rec = {
+            "local_grads": {
+                n: (p.grad.to_local().clone(), their_params[n].grad.to_local().clone())
+                for n, p in ours.named_parameters()
+            },
+            "grads": full_pairs(ours, ref, grads=True),
+            "bf16_ref_grads": {n: p.grad.float() for n, p in ref_bf16.named_parameters()},
+        }
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+        rec["local_params"] = {
+            n: (p.to_local().detach().clone(), their_params[n].to_local().detach().clone())
+            for n, p in ours.named_parameters()
+        }
+        steps.append(rec)
+    return {"steps": steps}
+
+
+def _run(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    return run_scenarios({
+        "sync_last": lambda: _accumulate(rank, mesh, "sync_last"),
+        "keep": lambda: _accumulate(rank, mesh, "keep"),
+        "no_sync_context": lambda: _accumulate(rank, mesh, "no_sync_context"),
+        "bf16": lambda: _bf16_against_torch(rank, mesh),
+    })
+
+
+@pytest.fixture(scope="module")
+def run() -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE)
+
+
+@pytest.mark.parametrize("how", ["sync_last", "keep", "no_sync_context"])
+def test_accumulated_step_matches_one_big_batch(run, how):
+    for rank, records in enumerate(scenario_records(run, how)):
+        for step, rec in enumerate(records["steps"]):
+            assert_pairs_close(rec["grads"], f"rank {rank} step {step} grad")
+            assert_pairs_close(rec["params"], f"rank {rank} step {step} param")
+        first, last = records["steps"][0]["params"], records["steps"][-1]["params"]
+        assert any(not torch.equal(first[n][0], last[n][0]) for n in first)
+
+
+@pytest.mark.parametrize("how", ["sync_last", "no_sync_context"])
+def test_only_the_last_micro_batch_reduce_scatters(run, how):
+    micro = scenario_records(run, how)[0]["steps"][1]["micro"]
+    # Without sync, no sharded grad appears until the last micro-batch lands them all.
+    assert [m["has_sharded_grad"] for m in micro] == [[False] * 6, [False] * 6, [True] * 6]
+    assert_expected_inline("\n".join(m["comms"] for m in micro), """\
+all_gather(root,f) all_gather(0,f) all_gather(2,f) all_gather(0,b)
+all_gather(root,f) all_gather(0,f) all_gather(2,f) all_gather(0,b)
+all_gather(root,f) all_gather(0,f) all_gather(2,f) all_gather(0,b) reduce_scatter(2,b) reduce_scatter(root,b) reduce_scatter(0,b)""")
+
+
+def test_reshard_after_backward_false_keeps_params_for_the_next_forward(run):
+    micro = scenario_records(run, "keep")[0]["steps"][1]["micro"]
+    # Micro-batches 2 and 3 find every group unsharded: no forward all-gather. Block 0
+    # still reshards after its forward (reshard_after_forward), so backward gathers it.
+    assert_expected_inline("\n".join(m["comms"] for m in micro), """\
+all_gather(root,f) all_gather(0,f) all_gather(2,f) all_gather(0,b)
+all_gather(0,b)
+all_gather(0,b) reduce_scatter(2,b) reduce_scatter(root,b) reduce_scatter(0,b)""")
+    # Unsharded storage kept between micro-batches (all three groups' padded params:
+    # (16x8 + 16 + 16x16 + 16 + 4x16 + 4) fp32), freed by the last backward.
+    kept = (16 * 8 + 16 + 16 * 16 + 16 + 4 * 16 + 4) * 4
+    assert [m["unsharded_bytes"] for m in micro] == [kept, kept, 0]
+
+
+def test_bf16_accumulation_matches_torch_bit_for_bit(run):
+    # torch's FSDP2 accumulates unsharded grads in reduce_dtype (fp32); equality shows
+    # ours does too (a bf16 accumulator would round after every micro-batch).
+    for rank, records in enumerate(scenario_records(run, "bf16")):
+        for step, rec in enumerate(records["steps"]):
+            for what in ("local_grads", "local_params"):
+                for name, (ours, theirs) in rec[what].items():
+                    assert torch.equal(ours, theirs), f"rank {rank} step {step} {what} {name}"
+
+
+def test_bf16_accumulation_loosely_matches_fp32_single_process(run):
+    rec = scenario_records(run, "bf16")[0]["steps"][0]
+    # bf16 compute alone is far from fp32 on block 0 (a single-process bf16 model is
+    # ~23% off in norm there: ReLU inputs near 0 change sign), so the bound is relative
+    # to that: accumulating bf16 micro-batch grads in fp32 is no worse than one bf16
+    # step on the whole batch, and is close to it.
+    for name, (ours, ref) in rec["grads"].items():
+        single_bf16 = rec["bf16_ref_grads"][name]
+        ours_err = ((ours - ref).norm() / ref.norm()).item()
+        bf16_err = ((single_bf16 - ref).norm() / ref.norm()).item()
+        assert 0 < ours_err <= 1.2 * bf16_err + 1e-3, (name, ours_err, bf16_err)
+        torch.testing.assert_close(ours, single_bf16, atol=2e-3, rtol=5e-2, msg=name)
