@@ -12,13 +12,15 @@
   sharded storage in place: the zero-copy all-gather input stays intact.
 - ``save_full_state_dict(model, path)`` writes a full, unsharded checkpoint from rank 0
   one tensor at a time (memory: the largest tensor), in the safetensors format, which
-  needs no extra dependency to write; ``load_full_state_dict(path)`` reads it back as a
-  plain state dict for an unsharded model (``safetensors.torch.load_file`` reads it too).
+  needs no extra dependency to write (``safetensors.torch.load_file`` reads it too);
+  ``format="torch"`` writes an ordinary ``torch.save`` file instead. Either way
+  ``load_full_state_dict(path)`` reads it back as a plain state dict.
 """
 
 import ctypes
 import json
 import os
+import zipfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -117,44 +119,75 @@ def validate_state_dict(
         )
 
 
-def save_full_state_dict(module: nn.Module, path: str) -> None:
-    """Write ``module``'s full (unsharded) state dict to ``path`` in the safetensors
-    format, streamed one tensor at a time from rank 0. Every rank must call it (each
-    tensor is all-gathered). The file appears atomically: a crash mid-write leaves no
-    file at ``path``.
+def save_full_state_dict(module: nn.Module, path: str, *, format: str = "safetensors") -> None:
+    """Write ``module``'s full (unsharded) state dict to ``path``, from rank 0.
+
+    Every rank must call it: each tensor is all-gathered, one at a time. The file
+    appears atomically (written to ``path.tmp``, then renamed): a crash mid-write leaves
+    no file at ``path``.
+
+    Args:
+        module: the (fully-sharded) module.
+        path: the file to write.
+        format: ``"safetensors"`` streams each tensor to the file as it is gathered, so
+            rank 0 holds one full tensor at a time; ``"torch"`` is an ordinary
+            ``torch.save`` of a plain state dict, which must be complete in host memory
+            on rank 0 before it is written.
     """
+    if format not in ("safetensors", "torch"):
+        raise ValueError(
+            f"save_full_state_dict: format must be 'safetensors' or 'torch', got {format!r}"
+        )
     state_dict = module.state_dict()
-    header: dict[str, Any] = {}
-    offset = 0
-    for key, value in state_dict.items():
-        nbytes = value.numel() * value.element_size()
-        header[key] = {
-            "dtype": _safetensors_dtype(key, value.dtype),
-            "shape": list(value.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     temporary = f"{path}.tmp"
-    if is_writer:
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # the format aligns the data to 8 bytes
-        handle = open(temporary, "wb")
-        handle.write(len(encoded).to_bytes(8, "little"))
-        handle.write(encoded)
-    for value in state_dict.values():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
+    if format == "torch":
+        full = {key: _full_on_host(value) for key, value in state_dict.items()}
         if is_writer:
-            handle.write(_host_bytes(full))
+            torch.save(full, temporary)
+    else:
+        header = _safetensors_header(state_dict)
+        handle = open(temporary, "wb") if is_writer else None
+        if handle is not None:
+            handle.write(len(header).to_bytes(8, "little"))
+            handle.write(header)
+        for value in state_dict.values():
+            data = _host_bytes(_full_on_host(value))
+            if handle is not None:
+                handle.write(data)
+        if handle is not None:
+            handle.close()
     if is_writer:
-        handle.close()
         os.replace(temporary, path)
     if dist.is_initialized():
         dist.barrier()
 
 
+def _safetensors_header(state_dict: dict[str, torch.Tensor]) -> bytes:
+    entries: dict[str, Any] = {}
+    offset = 0
+    for key, value in state_dict.items():
+        nbytes = value.numel() * value.element_size()
+        entries[key] = {
+            "dtype": _safetensors_dtype(key, value.dtype),
+            "shape": list(value.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(entries, separators=(",", ":")).encode()
+    return encoded + b" " * (-len(encoded) % 8)  # the format aligns the data to 8 bytes
+
+
+def _full_on_host(value: torch.Tensor) -> torch.Tensor:
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    return full.detach().cpu()
+
+
 def load_full_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """Read a file written by `save_full_state_dict` as a plain state dict."""
+    """Read a file written by `save_full_state_dict` (either format) as a plain state
+    dict, for an unsharded model."""
+    if zipfile.is_zipfile(path):  # torch.save's format
+        return torch.load(path, weights_only=True)
     by_name = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
     with open(path, "rb") as f:
         header_size = int.from_bytes(f.read(8), "little")
@@ -172,7 +205,7 @@ def load_full_state_dict(path: str) -> dict[str, torch.Tensor]:
 
 def _host_bytes(tensor: torch.Tensor) -> bytes:
     """The raw bytes of ``tensor``, copied to the host (no numpy dependency)."""
-    host = tensor.detach().contiguous().cpu()
+    host = tensor.contiguous()
     return ctypes.string_at(host.data_ptr(), host.numel() * host.element_size())
 
 

@@ -72,6 +72,14 @@ def _scenarios(rank: int, world_size: int) -> dict[str, str]:
 
     traced("explicit_prefetch", _model(mesh), explicit)
 
+    # Same numbers under the explicit schedule as under the default one.
+    grads = []
+    for schedule in (lambda m: _step(m, rank), explicit):
+        model = _model(mesh)
+        schedule(model)
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+    out["explicit_max_grad_diff"] = max((a - b).abs().max().item() for a, b in zip(*grads))
+
     def no_grad_forward(model: nn.Module) -> None:
         with torch.no_grad():
             model(torch.randn(4, 8))
@@ -240,6 +248,10 @@ all_gather     0       576 B  backward
 reduce_scatter 2      1088 B  backward
 reduce_scatter root    272 B  backward
 reduce_scatter 0       576 B  backward""")
+
+
+def test_explicit_prefetch_gives_the_same_gradients(traces: dict[str, Any]) -> None:
+    assert traces["explicit_max_grad_diff"] == 0.0
 
 
 def test_no_grad_forward_reshards_the_root_too(traces: dict[str, str]) -> None:

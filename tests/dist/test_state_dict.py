@@ -216,11 +216,15 @@ def _scenario_export(path: str) -> dict:
     run = _shard("fsdp")
     _train(run, range(1))
     save_full_state_dict(run.model, path)
+    torch_path = os.path.join(os.path.dirname(path), "model.pt")
+    save_full_state_dict(run.model, torch_path, format="torch")
     fulls = {k: full(v) for k, v in run.model.state_dict().items()}
     plain = Llama(CONFIG)
     plain.load_state_dict(load_full_state_dict(path))
+    from_torch = torch.load(torch_path, weights_only=True)  # an ordinary torch.save file
     return {
         "pairs": {k: (fulls[k], v.detach().clone()) for k, v in plain.state_dict().items()},
+        "torch_pairs": {k: (fulls[k], from_torch[k]) for k in fulls},
         "leftovers": sorted(os.listdir(os.path.dirname(path))),
     }
 
@@ -438,7 +442,8 @@ def test_torch_full_state_dict_options(state_dict_run: list[dict]) -> None:
 def test_save_full_state_dict_loads_into_unsharded_model(state_dict_run: list[dict]) -> None:
     for rec in scenario_records(state_dict_run, "export"):
         _assert_exact(rec["pairs"], "export")
-        assert rec["leftovers"] == ["model.safetensors"]
+        _assert_exact(rec["torch_pairs"], "export (torch.save format)")
+        assert rec["leftovers"] == ["model.pt", "model.safetensors"]
 
 
 def test_save_full_state_dict_unsupported_dtype_writes_nothing(state_dict_run: list[dict]) -> None:
