@@ -120,6 +120,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--block", type=int, default=1, help="steps per impl per round")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset")
+    parser.add_argument(
+        "--forward-prefetch",
+        action="store_true",
+        help="both FSDPs: each module explicitly prefetches the next block's all-gather in "
+        "forward (set_modules_to_forward_prefetch, as torchtitan does)",
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -185,6 +191,12 @@ def build_impl(
         for block in model.layers:
             shard(block, mesh=mesh)
         shard(model, mesh=mesh)
+        if args.forward_prefetch:
+            # The root's forward starts with the embedding, then block 0; block i's
+            # forward is followed by block i + 1's.
+            modules = [model, *model.layers]
+            for module, following in zip(modules, modules[1:]):
+                module.set_modules_to_forward_prefetch([following])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     return Impl(name, model, optimizer)
 

@@ -196,7 +196,8 @@ class FSDPParam:
         It stops doing so when user code rebinds ``param.data`` (``module.to()``, a
         state-dict load with ``assign=True``...). The group then copies the shard in.
         """
-        local = self.sharded_param.to_local()
+        with torch.no_grad():  # to_local() with grad enabled records an autograd node
+            local = self.sharded_param.to_local()
         return local.data_ptr() == self._sharded_local.data_ptr() or local.numel() == 0
 
     def copy_sharded_into_storage(self) -> None:
