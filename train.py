@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from dtensor_fsdp import (
+    CommTrace,
     CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
@@ -131,6 +132,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--resume",
         action="store_true",
         help="continue from the newest complete checkpoint in --checkpoint-dir (any world size)",
+    )
+    parser.add_argument(
+        "--trace-comms",
+        metavar="PATH",
+        help="record FSDP's collectives: print them per step at the end, and write a "
+        "Chrome/Perfetto trace of rank 0's to PATH",
     )
     parser.add_argument(
         "--metrics-out",
@@ -398,6 +405,18 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 
+def report_comms(trace: CommTrace, steps: int, path: str) -> None:
+    """Print the collectives per step by kind, and export the trace."""
+    for kind, entry in sorted(trace.summary(steps).items()):
+        print(
+            f"comms | {kind}: {entry['count']:.0f} per step, "
+            f"{entry['nbytes'] / 2**20:.2f} MiB, ring wire {entry['wire_bytes'] / 2**20:.2f} "
+            f"MiB, exposed {entry['exposed_s'] * 1e3:.1f} ms",
+            flush=True,
+        )
+    trace.export_chrome_trace(path)
+
+
 def write_metrics(path: str, model: Llama, losses: list[float], grad_norms: list[float]) -> None:
     """Rank 0 writes the run's losses, grad norms and full parameters as JSON.
 
@@ -428,6 +447,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         )
 
     done = resume(args, model, optimizer, generator, global_rows) if args.resume else 0
+    trace = CommTrace() if args.trace_comms else None
+    if trace is not None:
+        model.set_comm_trace(trace)
     throughputs, losses, grad_norms = [], [], []
     for step in range(done + 1, args.steps + 1):
         start = time.perf_counter()
@@ -452,6 +474,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             save_checkpoint(args.checkpoint_dir, step, model, optimizer, extra)
     if args.metrics_out:
         write_metrics(args.metrics_out, model, losses, grad_norms)
+    if trace is not None and rank == 0:
+        report_comms(trace, args.steps - done, args.trace_comms)
 
     if rank == 0 and throughputs:
         # Step 1 pays for lazy init and allocator warm-up, so it is left out.
