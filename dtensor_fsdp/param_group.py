@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from ._tensor_utils import ShardGeometry
+from .api import AllGather, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
 from .collectives import (
     AllGatherResult,
     ReduceScatterPlan,
@@ -32,7 +33,6 @@ from .collectives import (
     finish_reduce_scatter,
     reduce_scatter,
 )
-from .api import AllGather, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
 from .mesh import MeshInfo
 from .param import FSDPParam, ParamToShard, ShardedState
 from .scheduler import CommContext
