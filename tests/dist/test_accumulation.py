@@ -22,8 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from dtensor_fsdp import CommTrace, MixedPrecisionPolicy, fully_shard
+from dtensor_fsdp import CommTrace, MixedPrecisionPolicy
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests.dist._mlp import mlp, shard_mlp
 from tests.dist._parity import assert_pairs_close, full_pairs, make_optimizer
 
 WORLD_SIZE = 2
@@ -31,18 +32,6 @@ MICRO = 3  # micro-batches per optimizer step
 STEPS = 2
 BATCH = 2  # rows per rank per micro-batch
 BF16_POLICY = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
-
-
-def _mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
-
-
-def _shard(model: nn.Sequential, mesh: Any, shard: Any = fully_shard, **kwargs: Any) -> nn.Sequential:
-    for block in (model[0], model[2]):
-        shard(block, mesh=mesh, **kwargs)
-    shard(model, mesh=mesh, **kwargs)
-    return model
 
 
 def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,9 +65,9 @@ def _accumulate(rank: int, mesh: Any, how: str) -> dict[str, Any]:
     Records per step: full grads and params next to the reference's, and per
     micro-batch the collectives and (``keep``) the unsharded storage after backward.
     """
-    base = _mlp()
+    base = mlp()
     ref = copy.deepcopy(base)
-    model = _shard(base, mesh)
+    model = shard_mlp(base, mesh)
     optim, ref_optim = make_optimizer(model.parameters()), make_optimizer(ref.parameters())
     steps = []
     for step in range(STEPS):
@@ -130,13 +119,13 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 def _bf16_against_torch(rank: int, mesh: Any) -> dict[str, Any]:
     """bf16 compute, fp32 reduction: ours and torch's fully_shard accumulate the same
     micro-batches; local grads and shards per step, plus the fp32 reference's."""
-    base = _mlp()
+    base = mlp()
     ref = copy.deepcopy(base)
     ref_bf16 = copy.deepcopy(base).to(torch.bfloat16)  # one bf16 step on the global batch
-    theirs = _shard(
+    theirs = shard_mlp(
         copy.deepcopy(base), mesh, torch_fully_shard, mp_policy=TorchMixedPrecisionPolicy(**BF16_POLICY)
     )
-    ours = _shard(base, mesh, mp_policy=MixedPrecisionPolicy(**BF16_POLICY))
+    ours = shard_mlp(base, mesh, mp_policy=MixedPrecisionPolicy(**BF16_POLICY))
     optims = [make_optimizer(m.parameters()) for m in (ours, theirs, ref)]
     steps = []
     for step in range(STEPS):

@@ -40,6 +40,7 @@ from dtensor_fsdp import (
     register_fsdp_forward_method,
 )
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests.dist._mlp import mlp, shard_mlp
 from tests.dist._parity import assert_pairs_close, full, full_pairs, mean_over_world
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); 2.11 has only
@@ -56,18 +57,6 @@ CLIP_MAX_NORM = 0.05
 # ---------------------------------------------------------------------------
 # Models, data, and a lockstep trainer
 # ---------------------------------------------------------------------------
-
-
-def _mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
-
-
-def _shard_mlp(model: nn.Sequential, mesh: Any, **kwargs: Any) -> nn.Sequential:
-    fully_shard(model[0], mesh=mesh, **kwargs)
-    fully_shard(model[2], mesh=mesh, **kwargs)
-    fully_shard(model, mesh=mesh, **kwargs)
-    return model
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,9 +126,9 @@ def _unsharded_bytes(model: nn.Module) -> int:
 
 
 def _offload(rank: int, mesh: Any, pin_memory: bool) -> dict[str, Any]:
-    base = _mlp()
+    base = mlp()
     ref = copy.deepcopy(base)
-    model = _shard_mlp(base, mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
+    model = shard_mlp(base, mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
     records = _lockstep(rank, model, ref)
     x, y = _batch(0)
     F.mse_loss(model(_local(x, rank)), _local(y, rank)).backward()
@@ -153,9 +142,9 @@ def _offload(rank: int, mesh: Any, pin_memory: bool) -> dict[str, Any]:
 def _divide_factor(rank: int, mesh: Any, factor: float | None, force_sum: bool) -> dict[str, Any]:
     """With factor 1.0 each rank's loss is its share of the global mean (sum over its
     rows / global rows), so the summed grads are the global mean's."""
-    base = _mlp()
+    base = mlp()
     ref = copy.deepcopy(base)
-    model = _shard_mlp(base, mesh)
+    model = shard_mlp(base, mesh)
     if factor is not None:
         model.set_gradient_divide_factor(factor)
     if force_sum:
@@ -205,9 +194,9 @@ class RecordingReduceScatter(ReduceScatter):
 
 
 def _custom_comms(rank: int, mesh: Any) -> dict[str, Any]:
-    base = _mlp()
+    base = mlp()
     ref = copy.deepcopy(base)
-    model = _shard_mlp(base, mesh)
+    model = shard_mlp(base, mesh)
     gathers = {name: RecordingAllGather() for name in ("root", "0", "2")}
     scatters = {name: RecordingReduceScatter() for name in ("root", "0", "2")}
     for name, module in (("root", model), ("0", model[0]), ("2", model[2])):
@@ -222,9 +211,9 @@ def _custom_comms(rank: int, mesh: Any) -> dict[str, Any]:
 
 
 def _all_reduce_hook(rank: int, mesh: Any) -> dict[str, Any]:
-    base = _mlp()
+    base = mlp()
     ref = copy.deepcopy(base)
-    model = _shard_mlp(base, mesh)
+    model = shard_mlp(base, mesh)
     calls: list[tuple[str, int, int]] = []
     for name, module in (("root", model), ("0", model[0]), ("2", model[2])):
         def hook(reduced: torch.Tensor, name: str = name) -> None:
@@ -236,9 +225,9 @@ def _all_reduce_hook(rank: int, mesh: Any) -> dict[str, Any]:
 
 
 def _post_optim_event(rank: int, mesh: Any) -> dict[str, Any]:
-    base = _mlp()
+    base = mlp()
     ref = copy.deepcopy(base)
-    model = _shard_mlp(base, mesh)
+    model = shard_mlp(base, mesh)
     # On a CPU build an Event can be made and waited on but not recorded.
     events = []
 
@@ -525,9 +514,9 @@ def _activation_checkpointing(rank: int, mesh: Any, mode: str) -> dict[str, Any]
 
 
 def _clip(rank: int, mesh: Any, foreach: bool | None) -> dict[str, Any]:
-    base = _mlp()
+    base = mlp()
     ref = copy.deepcopy(base)
-    model = _shard_mlp(base, mesh)
+    model = shard_mlp(base, mesh)
     x, y = _batch(0)
     F.mse_loss(model(_local(x, rank)), _local(y, rank)).backward()
     F.mse_loss(ref(x), y).backward()
@@ -545,9 +534,9 @@ def _clip(rank: int, mesh: Any, foreach: bool | None) -> dict[str, Any]:
 
 def _grad_scaler(rank: int, mesh: Any) -> dict[str, Any]:
     """fp16 compute with torch.amp.GradScaler("cpu"), one step per batch."""
-    base = _mlp()
+    base = mlp()
     ref = copy.deepcopy(base)
-    model = _shard_mlp(
+    model = shard_mlp(
         base, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     )
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
@@ -578,8 +567,8 @@ def _grad_scaler(rank: int, mesh: Any) -> dict[str, Any]:
 def _grad_scaler_inf_on_one_rank(rank: int, mesh: Any) -> dict[str, Any]:
     """An inf in rank 1's grad shard only: every rank must skip the step and halve the
     scale, or the ranks' shards would drift apart."""
-    base = _mlp()
-    model = _shard_mlp(
+    base = mlp()
+    model = shard_mlp(
         base, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     )
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
@@ -716,7 +705,7 @@ def _tied_across_groups(mesh: Any) -> dict[str, Any]:
 
 
 def _ignored(rank: int, mesh: Any) -> dict[str, Any]:
-    base = _mlp()
+    base = mlp()
     ref = copy.deepcopy(base)
     ref_local = copy.deepcopy(base)  # this rank's rows only: the unreduced grad
     fully_shard(base[0], mesh=mesh)

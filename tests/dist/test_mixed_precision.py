@@ -26,6 +26,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from dtensor_fsdp import CommTrace, MixedPrecisionPolicy, fully_shard
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests.dist._mlp import mlp, shard_mlp
 from tests.dist._parity import full, make_optimizer, mean_over_world
 
 WORLD_SIZE = 2
@@ -33,18 +34,6 @@ STEPS = 3
 BATCH = 4  # rows per rank
 BF16 = torch.bfloat16
 FP32_AG_BYTES = {"": 272, "0": 576, "2": 1088}  # per group, see the module docstring
-
-
-def _mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
-
-
-def _shard(model: nn.Sequential, mesh: Any, shard: Any = fully_shard, **kwargs: Any) -> nn.Sequential:
-    for block in (model[0], model[2]):
-        shard(block, mesh=mesh, **kwargs)
-    shard(model, mesh=mesh, **kwargs)
-    return model
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,9 +52,9 @@ def _local(t: torch.Tensor, rank: int) -> torch.Tensor:
 def _train_three(rank: int, mesh: Any, policy: MixedPrecisionPolicy) -> dict[str, Any]:
     """Ours, torch's fully_shard (same policy) and an fp32 single-process reference in
     lockstep; per step: losses, and ours/torch's local grads and shards."""
-    base = _mlp()
+    base = mlp()
     ref = copy.deepcopy(base)
-    theirs = _shard(
+    theirs = shard_mlp(
         copy.deepcopy(base),
         mesh,
         torch_fully_shard,
@@ -73,7 +62,7 @@ def _train_three(rank: int, mesh: Any, policy: MixedPrecisionPolicy) -> dict[str
             param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype
         ),
     )
-    ours = _shard(base, mesh, mp_policy=policy)
+    ours = shard_mlp(base, mesh, mp_policy=policy)
     trace = CommTrace()
     ours.set_comm_trace(trace)
     models = (ours, theirs, ref)
