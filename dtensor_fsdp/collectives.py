@@ -154,12 +154,10 @@ def finish_reduce_scatter(result: ReduceScatterResult) -> torch.Tensor:
     """This rank's reduced chunk, (shard_numel,), once ``result.work`` is waited: summed,
     or averaged if ``plan.average_in_collective``."""
     if result.plan.use_all_to_all:
-        # Add the W received rows into row 0 in place: W-1 contiguous passes and no new
-        # buffer, cheaper than a strided sum over dim 0 on the CPU.
-        reduced = result.output[0]  # (shard_numel,)
-        for row in result.output[1:]:
-            reduced.add_(row)
-        return reduced
+        # A fresh (shard_numel,) tensor, not a view of the (W, shard_numel) receive
+        # buffer: the sharded grads are views of what this returns, and must not keep
+        # W times their size alive.
+        return result.output.sum(dim=0)
     return result.output
 
 

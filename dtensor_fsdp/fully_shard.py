@@ -265,7 +265,7 @@ class FSDPModule:
         at intra-node cost). No effect on a 1-D mesh."""
         for state in self._fsdp_states(recurse):
             if state.group is not None:
-                state.group.requires_all_reduce = requires_all_reduce
+                state.group.reduction.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free the unsharded parameters after forward."""
@@ -326,7 +326,7 @@ class FSDPModule:
         output. Not recursive. ``comm`` gets a 1-D input of W equal chunks and
         ``ReduceOp.SUM``; FSDP divides afterwards."""
         for group in self._own_groups():
-            group.custom_reduce_scatter = comm
+            group.reduction.custom_reduce_scatter = comm
 
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
@@ -341,7 +341,7 @@ class FSDPModule:
         if stream is not None and any(g.mesh_info.is_hsdp for g in self._own_groups()):
             raise ValueError("stream cannot be set when using native HSDP")
         for group in self._own_groups():
-            group.all_reduce_hook = hook
+            group.reduction.all_reduce_hook = hook
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Give the root an event marking the end of the optimizer step, to wait on
@@ -363,14 +363,14 @@ class FSDPModule:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
         for state in self._fsdp_states(recurse=True):
             if state.group is not None:
-                state.group.gradient_divide_factor = factor
+                state.group.reduction.gradient_divide_factor = factor
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Only ever ask collectives to SUM (no AVG or PREMUL_SUM), dividing separately.
         Recursive. On gloo this is always the case."""
         for state in self._fsdp_states(recurse=True):
             if state.group is not None:
-                state.group.force_sum_reduction = enable
+                state.group.reduction.force_sum_reduction = enable
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -380,7 +380,7 @@ class FSDPModule:
         collective. Like DDP's ``find_unused_parameters``."""
         for state in self._fsdp_states(recurse):
             if state.group is not None:
-                state.group.reduce_scatter_unused_params = reduce_scatter_unused_params
+                state.group.reduction.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward needs this group's parameters. ``False`` skips the backward

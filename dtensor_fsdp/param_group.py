@@ -13,7 +13,6 @@ and that one shard is copied in before the all-gather.
 """
 
 import time
-from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -22,19 +21,15 @@ import torch
 import torch.nn as nn
 
 from ._tensor_utils import ShardGeometry
-from .api import AllGather, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
+from .api import AllGather, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .collectives import (
     AllGatherResult,
-    ReduceScatterPlan,
-    ReduceScatterResult,
     all_gather,
-    all_reduce,
     copy_out,
-    finish_reduce_scatter,
-    reduce_scatter,
 )
 from .mesh import MeshInfo
 from .param import FSDPParam, ParamToShard, ShardedState
+from .reduction import GradientReduction
 from .scheduler import CommContext
 from .trace import CommEvent, CommTrace, LifecycleEvent
 
@@ -95,7 +90,6 @@ class FSDPParamGroup:
         self.post_forward_mesh_info = post_forward_mesh_info
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        self.requires_all_reduce = True  # HSDP: all-reduce over the replicate axis
         self.device = device
         self.offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
         self.fsdp_params = self._shard(params, self._sharded_device(device), mp_policy)
@@ -109,14 +103,10 @@ class FSDPParamGroup:
         self._casts_on_all_gather = any(p.param_dtype != p.dtype for p in self.fsdp_params)
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
-        # FSDPModule.set_* knobs (torch's names):
-        self.gradient_divide_factor: float | None = None
-        self.force_sum_reduction = False
+        # FSDPModule.set_* knobs (torch's names); the reduction has its own.
         self.custom_all_gather: AllGather | None = None
-        self.custom_reduce_scatter: ReduceScatter | None = None
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self.reduce_scatter_unused_params = False
         self.unshard_in_backward = True
+        self.reduction = GradientReduction(self.fsdp_params, mesh_info, self._record_comm)
         self.ctx: CommContext | None = None  # handed down at the root's lazy init
         self.trace: CommTrace | None = None
         self._all_gather: AllGatherResult | None = None  # issued, not yet copied out
@@ -325,7 +315,8 @@ class FSDPParamGroup:
         self.training_state = TrainingState.POST_BACKWARD
         self._record("post_backward")
         if self.requires_gradient_sync:
-            self._reduce_scatter_grads()
+            assert self.ctx is not None, f"{self.fqn}: post-backward before lazy init"
+            self.reduction.reduce_scatter(self.ctx)
         else:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.accumulate_unsharded_grad()
@@ -418,123 +409,6 @@ class FSDPParamGroup:
             group_size=source.mesh_info.shard_size,
         )
         return result
-
-    def _reduce_scatter_grads(self) -> None:
-        # One call each: for TP, turning a Partial grad into its placements communicates.
-        to_reduce = [(p, p.grad_to_reduce()) for p in self.fsdp_params]
-        if self.reduce_scatter_unused_params:
-            # Every rank must issue the same collective even if some rank left a
-            # parameter unused this step (conditional compute, MoE): send zeros.
-            to_reduce = [
-                (p, p.zero_grad_to_reduce() if g is None and p.requires_grad else g)
-                for p, g in to_reduce
-            ]
-        with_grad = [p for p, grad in to_reduce if grad is not None]
-        if not with_grad:
-            return
-        reduce_dtype = with_grad[0].reduce_dtype
-        plan = ReduceScatterPlan.choose(
-            self.mesh_info.shard_group,
-            # fp16 could overflow while the collective sums: it pre-divides instead.
-            prefer_average=self.gradient_divide_factor is None
-            and not self.force_sum_reduction
-            and reduce_dtype != torch.float16,
-            custom=self.custom_reduce_scatter,
-        )
-        grads = [grad.to(reduce_dtype) for _, grad in to_reduce if grad is not None]
-        pre_divisor, post_divisor = self._divisors(plan, reduce_dtype)
-        if pre_divisor != 1.0:
-            grads = torch._foreach_div(grads, pre_divisor)
-        issued_s = time.perf_counter()
-        result = reduce_scatter(
-            grads, reduce_dtype, self.mesh_info.shard_group, plan, async_op=True
-        )
-        # The grads now live in the reduce-scatter input: free the unsharded ones.
-        for fsdp_param in with_grad:
-            fsdp_param.clear_unsharded_grad()
-        assert self.ctx is not None, f"{self.fqn}: post-backward before lazy init"
-        self.ctx.enqueue_reduce_scatter(
-            lambda: self._finish_reduce_scatter(result, with_grad, post_divisor, issued_s),
-            lambda: result.work.wait() if result.work is not None else None,
-        )
-
-    def _divisors(self, plan: ReduceScatterPlan, reduce_dtype: torch.dtype) -> tuple[float, float]:
-        """(before, after) the reduction: the gradient average over every data-parallel
-        rank, or ``set_gradient_divide_factor``'s factor, unless the collective averages.
-        fp16 splits it around the sum (sqrt each side) so the sum cannot overflow."""
-        if plan.average_in_collective:
-            return 1.0, 1.0
-        divisor = self.gradient_divide_factor or float(
-            self.mesh_info.shard_size * self.mesh_info.replicate_size
-        )
-        if reduce_dtype == torch.float16:
-            return divisor**0.5, divisor**0.5
-        return 1.0, divisor
-
-    def _finish_reduce_scatter(
-        self,
-        result: ReduceScatterResult,
-        with_grad: list[FSDPParam],
-        post_divisor: float,
-        issued_s: float,
-    ) -> None:
-        wait_s = time.perf_counter()
-        if result.work is not None:
-            result.work.wait()
-        self._record_comm("reduce_scatter", result.input_nbytes, issued_s, wait_s, phase="backward")
-        reduced = finish_reduce_scatter(result)  # (sum of padded chunk numels,)
-        params = with_grad
-        if self.mesh_info.is_hsdp:
-            if not self.requires_all_reduce:
-                for fsdp_param, chunk in zip(
-                    with_grad, self._split(reduced, with_grad), strict=True
-                ):
-                    fsdp_param.accumulate_partial_grad(chunk)
-                return
-            params, reduced = self._all_reduce_over_replicas(
-                dict(zip(with_grad, self._split(reduced, with_grad), strict=True)),
-                average=result.plan.average_in_collective,
-            )
-        if post_divisor != 1.0:
-            reduced.div_(post_divisor)
-        if self.all_reduce_hook is not None:
-            self.all_reduce_hook(reduced)
-        for fsdp_param, chunk in zip(params, self._split(reduced, params), strict=True):
-            fsdp_param.accumulate_sharded_grad(chunk)
-
-    @staticmethod
-    def _split(reduced: torch.Tensor, params: list[FSDPParam]) -> tuple[torch.Tensor, ...]:
-        return reduced.split([p.padded_shard_numel for p in params])
-
-    def _all_reduce_over_replicas(
-        self, chunks: dict[FSDPParam, torch.Tensor], average: bool
-    ) -> tuple[list[FSDPParam], torch.Tensor]:
-        """HSDP: reduce the shard-reduced chunks over the replicate axis in one
-        all-reduce, adding the partial sums that micro-batches without all-reduce left.
-
-        Returns:
-            The parameters in the all-reduced buffer, and the buffer (1-D).
-        """
-        params = [p for p in self.fsdp_params if p in chunks or p.partial_reduced_grad is not None]
-        parts = []
-        for fsdp_param in params:
-            chunk, partial = chunks.get(fsdp_param), fsdp_param.partial_reduced_grad
-            parts.append(
-                chunk if partial is None else partial if chunk is None else partial + chunk
-            )
-            fsdp_param.partial_reduced_grad = None
-        flat = torch.cat(parts)  # (sum of padded chunk numels,)
-        issued_s = time.perf_counter()
-        all_reduce(flat, self.mesh_info.replicate_group, average)
-        self._record_comm(
-            "all_reduce",
-            flat.numel() * flat.element_size(),
-            issued_s,
-            issued_s,
-            phase="backward",
-            group_size=self.mesh_info.replicate_size,
-        )
-        return params, flat
 
     # Tracing #
 

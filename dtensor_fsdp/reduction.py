@@ -1,0 +1,170 @@
+"""GradientReduction: one group's gradients, from unsharded grads to sharded ``.grad``.
+
+Post-backward hands it the group's unsharded grads: it packs them into one
+reduce-scatter (zeros for unused parameters if asked), and when the scheduler finishes
+that collective, reduces over HSDP's replicate axis (one all-reduce, or a partial sum
+kept for later with ``set_requires_all_reduce(False)``), divides once by the data
+parallel world size (or the user's factor), runs the user's all-reduce hook and lands
+each parameter's chunk on its sharded ``.grad``.
+"""
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from .api import ReduceScatter
+from .collectives import (
+    ReduceScatterPlan,
+    ReduceScatterResult,
+    all_reduce,
+    finish_reduce_scatter,
+    reduce_scatter,
+)
+from .mesh import MeshInfo
+from .param import FSDPParam
+from .scheduler import CommContext
+
+
+class GradientReduction:
+    """Reduces one group's gradients; holds the reduction's ``FSDPModule.set_*`` knobs."""
+
+    def __init__(
+        self,
+        fsdp_params: list[FSDPParam],
+        mesh_info: MeshInfo,
+        record_comm: Callable[..., None],
+    ) -> None:
+        """
+        Args:
+            fsdp_params: the group's parameters, in its buffer order.
+            mesh_info: the group's data-parallel mesh.
+            record_comm: the group's trace recorder (kind, nbytes, issued_s, wait_s, ...).
+        """
+        self.fsdp_params = fsdp_params
+        self.mesh_info = mesh_info
+        self._record_comm = record_comm
+        self.requires_all_reduce = True  # HSDP: all-reduce over the replicate axis
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False
+        self.custom_reduce_scatter: ReduceScatter | None = None
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.reduce_scatter_unused_params = False
+
+    def reduce_scatter(self, ctx: CommContext) -> None:
+        """Issue one reduce-scatter of every unsharded grad of the group; ``ctx`` finishes
+        it (waits, reduces over replicas, lands the sharded grads) when its turn comes."""
+        # One call each: for TP, turning a Partial grad into its placements communicates.
+        to_reduce = [(p, p.grad_to_reduce()) for p in self.fsdp_params]
+        if self.reduce_scatter_unused_params:
+            # Every rank must issue the same collective even if some rank left a
+            # parameter unused this step (conditional compute, MoE): send zeros.
+            to_reduce = [
+                (p, p.zero_grad_to_reduce() if g is None and p.requires_grad else g)
+                for p, g in to_reduce
+            ]
+        with_grad = [p for p, grad in to_reduce if grad is not None]
+        if not with_grad:
+            return
+        reduce_dtype = with_grad[0].reduce_dtype
+        plan = ReduceScatterPlan.choose(
+            self.mesh_info.shard_group,
+            # fp16 could overflow while the collective sums: it pre-divides instead.
+            prefer_average=self.gradient_divide_factor is None
+            and not self.force_sum_reduction
+            and reduce_dtype != torch.float16,
+            custom=self.custom_reduce_scatter,
+        )
+        grads = [grad.to(reduce_dtype) for _, grad in to_reduce if grad is not None]
+        pre_divisor, post_divisor = self._divisors(plan, reduce_dtype)
+        if pre_divisor != 1.0:
+            grads = torch._foreach_div(grads, pre_divisor)
+        issued_s = time.perf_counter()
+        result = reduce_scatter(
+            grads, reduce_dtype, self.mesh_info.shard_group, plan, async_op=True
+        )
+        # The grads now live in the reduce-scatter input: free the unsharded ones.
+        for fsdp_param in with_grad:
+            fsdp_param.clear_unsharded_grad()
+        ctx.enqueue_reduce_scatter(
+            lambda: self._finish(result, with_grad, post_divisor, issued_s),
+            lambda: result.work.wait() if result.work is not None else None,
+        )
+
+    def _divisors(self, plan: ReduceScatterPlan, reduce_dtype: torch.dtype) -> tuple[float, float]:
+        """(before, after) the reduction: the gradient average over every data-parallel
+        rank, or ``set_gradient_divide_factor``'s factor, unless the collective averages.
+        fp16 splits it around the sum (sqrt each side) so the sum cannot overflow."""
+        if plan.average_in_collective:
+            return 1.0, 1.0
+        divisor = self.gradient_divide_factor or float(
+            self.mesh_info.shard_size * self.mesh_info.replicate_size
+        )
+        if reduce_dtype == torch.float16:
+            return divisor**0.5, divisor**0.5
+        return 1.0, divisor
+
+    def _finish(
+        self,
+        result: ReduceScatterResult,
+        with_grad: list[FSDPParam],
+        post_divisor: float,
+        issued_s: float,
+    ) -> None:
+        wait_s = time.perf_counter()
+        if result.work is not None:
+            result.work.wait()
+        self._record_comm("reduce_scatter", result.input_nbytes, issued_s, wait_s, phase="backward")
+        reduced = finish_reduce_scatter(result)  # (sum of padded chunk numels,)
+        params = with_grad
+        if self.mesh_info.is_hsdp:
+            if not self.requires_all_reduce:
+                for fsdp_param, chunk in zip(
+                    with_grad, self._split(reduced, with_grad), strict=True
+                ):
+                    fsdp_param.accumulate_partial_grad(chunk)
+                return
+            params, reduced = self._all_reduce_over_replicas(
+                dict(zip(with_grad, self._split(reduced, with_grad), strict=True)),
+                average=result.plan.average_in_collective,
+            )
+        if post_divisor != 1.0:
+            reduced.div_(post_divisor)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(reduced)
+        for fsdp_param, chunk in zip(params, self._split(reduced, params), strict=True):
+            fsdp_param.accumulate_sharded_grad(chunk)
+
+    @staticmethod
+    def _split(reduced: torch.Tensor, params: list[FSDPParam]) -> tuple[torch.Tensor, ...]:
+        return reduced.split([p.padded_shard_numel for p in params])
+
+    def _all_reduce_over_replicas(
+        self, chunks: dict[FSDPParam, torch.Tensor], average: bool
+    ) -> tuple[list[FSDPParam], torch.Tensor]:
+        """HSDP: reduce the shard-reduced chunks over the replicate axis in one
+        all-reduce, adding the partial sums that micro-batches without all-reduce left.
+
+        Returns:
+            The parameters in the all-reduced buffer, and the buffer (1-D).
+        """
+        params = [p for p in self.fsdp_params if p in chunks or p.partial_reduced_grad is not None]
+        parts = []
+        for fsdp_param in params:
+            chunk, partial = chunks.get(fsdp_param), fsdp_param.partial_reduced_grad
+            parts.append(
+                chunk if partial is None else partial if chunk is None else partial + chunk
+            )
+            fsdp_param.partial_reduced_grad = None
+        flat = torch.cat(parts)  # (sum of padded chunk numels,)
+        issued_s = time.perf_counter()
+        all_reduce(flat, self.mesh_info.replicate_group, average)
+        self._record_comm(
+            "all_reduce",
+            flat.numel() * flat.element_size(),
+            issued_s,
+            issued_s,
+            phase="backward",
+            group_size=self.mesh_info.replicate_size,
+        )
+        return params, flat
