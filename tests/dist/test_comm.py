@@ -92,6 +92,26 @@ def _scenarios(rank: int, world_size: int) -> dict[str, str]:
 
     traced("no_sync", _model(mesh), accumulate)
 
+    # set_is_last_backward(False): the reduce-scatters still in flight when backward
+    # ends (at most set_reduce_scatter_max_input_buffers of them) land with the next
+    # last backward's, which then holds both steps' gradients.
+    reference = _model(mesh)
+    _step(reference, rank)
+    for max_buffers in (2, 1):
+        model = _model(mesh)
+        model.set_reduce_scatter_max_input_buffers(max_buffers)
+        model.set_is_last_backward(False)
+        _step(model, rank)
+        out[f"in_flight_{max_buffers}"] = sorted(
+            name for name, p in model.named_parameters() if p.grad is None
+        )
+        model.set_is_last_backward(True)
+        _step(model, rank)
+        out[f"accumulated_diff_{max_buffers}"] = max(
+            (p.grad.full_tensor() - 2 * q.grad.full_tensor()).abs().max().item()
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        )
+
     model = _model(mesh)
     trace = CommTrace()
     model.set_comm_trace(trace)
@@ -316,3 +336,10 @@ all_gather     0       576 B  backward
 reduce_scatter 2      1088 B  backward
 reduce_scatter root    272 B  backward
 reduce_scatter 0       576 B  backward""")
+
+
+def test_not_last_backward_leaves_reduce_scatters_in_flight(traces: dict[str, Any]) -> None:
+    # Reduce-scatters are issued in the order 2, root, 0; the bound finishes the oldest.
+    assert traces["in_flight_2"] == ["0.bias", "0.weight", "4.bias", "4.weight"]
+    assert traces["in_flight_1"] == ["0.bias", "0.weight"]
+    assert traces["accumulated_diff_2"] < 1e-6 and traces["accumulated_diff_1"] < 1e-6
