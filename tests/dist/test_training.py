@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dtensor_fsdp.models.llama import Llama, LlamaConfig, cross_entropy_loss
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests.dist._parity import local_pairs
 
 IMPLS = {"ours": "dtensor_fsdp", "torch": "torch.distributed.fsdp"}
 MLP_WORLD_SIZES = (2, 3, 4)
@@ -368,16 +369,6 @@ def _scenario_grad_accumulation(ctx: Ctx, spec: ModelSpec, steps: int) -> dict:
     return {"steps": records}
 
 
-def _local_pairs(ours: nn.Module, theirs: nn.Module, *, grads: bool) -> Pairs:
-    """Per FQN, this rank's local shard (or local grad) of ours and of torch's."""
-    their_params = dict(theirs.named_parameters())
-    pairs = {}
-    for name, p in ours.named_parameters():
-        a, b = (p.grad, their_params[name].grad) if grads else (p, their_params[name])
-        pairs[name] = (a.to_local().detach().clone(), b.to_local().detach().clone())
-    return pairs
-
-
 def _scenario_torch_parity(ctx: Ctx, spec: ModelSpec, steps: int) -> dict:
     """Ours and torch's fully_shard from one seed and data: local shards and grads."""
     base = spec.build()
@@ -395,7 +386,7 @@ def _scenario_torch_parity(ctx: Ctx, spec: ModelSpec, steps: int) -> dict:
         their_params = dict(theirs.named_parameters())
         rec = {
             "loss": tuple(loss.item() for loss in losses),
-            "grads": _local_pairs(ours, theirs, grads=True),
+            "grads": local_pairs(ours, theirs, grads=True),
             "grad_placements": {
                 name: (tuple(p.grad.placements), tuple(their_params[name].grad.placements))
                 for name, p in ours.named_parameters()
@@ -405,7 +396,7 @@ def _scenario_torch_parity(ctx: Ctx, spec: ModelSpec, steps: int) -> dict:
         their_opt.step()
         ours.zero_grad()
         theirs.zero_grad()
-        rec["params"] = _local_pairs(ours, theirs, grads=False)
+        rec["params"] = local_pairs(ours, theirs, grads=False)
         rec["layouts"] = (_layouts(ours), _layouts(theirs))
         records.append(rec)
     return {"steps": records}
