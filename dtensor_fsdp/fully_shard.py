@@ -147,6 +147,7 @@ def fully_shard(
         group,
         auto_reshard_after_forward=reshard_after_forward is None,
         mp_policy=mp_policy,
+        device=mesh_info.device,
     )
     if group is not None:
         group.to_sharded_modules()
@@ -200,14 +201,25 @@ class FSDPModule:
         return list(seen.values())
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        """``to()``, ``to_empty()``, ``cuda()``...: apply to the sharded params, then make
-        them views of a sharded buffer on their new device again."""
+        """``to()``, ``to_empty()``, ``half()``, ``cuda()``...: apply to the sharded params,
+        then re-derive the group's sharded state from what they became (see [Note:
+        re-deriving the sharded state] in param_group.py)."""
         self.reshard()
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
         group = self._get_fsdp_state().group
         if group is not None:
-            group.rehome_after_apply()
+            group.reset_sharded_params()
         return result
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # torch raises AssertionError with this wording; the sharded params are views
+        # into per-group buffers and hooks close over FSDP state, neither of which a
+        # generic deepcopy can rebuild.
+        raise AssertionError(
+            "FSDP does not support deepcopy. Please use state dict for serialization. "
+            "dtensor_fsdp: build a new model, fully_shard it, and load_state_dict("
+            "model.state_dict()) into it"
+        )
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -245,8 +257,9 @@ class FSDPModule:
         self._get_fsdp_state().reset_iter_state()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last before the optimizer step. If not, its
-        reduce-scatters may still be in flight when backward returns."""
+        """Whether the next backward is the last before the optimizer step. Either way
+        its sharded grads have landed when backward returns; if not, FSDP skips waiting
+        for CPU-offloaded grads' device-to-host copies (on an accelerator)."""
         self._get_fsdp_state().is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(

@@ -25,7 +25,6 @@ These nouns mean one thing each, everywhere in dtensor_fsdp:
 """
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -105,9 +104,11 @@ class FSDPParam:
         # FSDP chunks `shape` (for TP: the TP-local shape); DTensors report `global_shape`.
         self.shape = original.shape
         self.global_shape = source.original.shape
+        # dtype, param_dtype and reduce_dtype follow the sharded param: `reset_sharded_param`
+        # re-derives them after ``module.to(dtype)``, as torch does at lazy init.
+        self.mp_policy = mp_policy
         self.dtype = original.dtype
         self.param_dtype, self.reduce_dtype = mp_dtypes(mp_policy, self.dtype)
-        self.requires_grad = source.original.requires_grad
         self.geometry = ShardGeometry(
             self.shape, source.shard_dim, mesh_info.shard_size, mesh_info.shard_rank
         )
@@ -116,17 +117,20 @@ class FSDPParam:
         self.partial_reduced_grad: torch.Tensor | None = None
         # Shard(dim != 0) only: all-gather output columns staged for the rearrangement.
         self._copy_out_staging: torch.Tensor | None = None
-        # Called once autograd has accumulated this parameter's unsharded grad (set by
-        # the group, which decides whether the unsharded values can go).
-        self.on_grad_accumulated: Callable[[FSDPParam], None] | None = None
         # Gradient accumulation without sync when reduce_dtype != param_dtype: the
         # unsharded grads summed in reduce_dtype, so low precision does not accumulate.
         self._accumulated_grad: torch.Tensor | None = None
         assert sharded_storage.numel() == self.padded_shard_nbytes
         self._padded_shard = sharded_storage.view(self.dtype).view(self.geometry.padded_local_shape)
-        self._init_sharded_param(original)
+        self._init_sharded_param(original, source.original.requires_grad)
         self._init_unsharded_param()
         self.sharded_state = ShardedState.SHARDED
+
+    @property
+    def requires_grad(self) -> bool:
+        """Read from the sharded param at every use: users freeze and unfreeze it after
+        ``fully_shard`` (torch re-reads it at every unshard too)."""
+        return self.sharded_param.requires_grad
 
     @property
     def padded_shard_numel(self) -> int:
@@ -152,7 +156,7 @@ class FSDPParam:
 
     # Initialization #
 
-    def _init_sharded_param(self, original: torch.Tensor) -> None:
+    def _init_sharded_param(self, original: torch.Tensor, requires_grad: bool) -> None:
         with torch.no_grad():
             # The padding rows must be zero: they are all-gathered and, for gradients,
             # reduce-scattered, so garbage there could surface as NaN/Inf in norms.
@@ -162,9 +166,9 @@ class FSDPParam:
             if local.numel() > 0 and original.device.type != "meta":
                 local.copy_(self.geometry.local_chunk(original.detach()))
             sharded = self._sharded_dtensor(local)
-        self.sharded_param = nn.Parameter(sharded, requires_grad=self.requires_grad)
+        self.sharded_param = nn.Parameter(sharded, requires_grad=requires_grad)
         # The local tensor the DTensor wraps; the zero-copy all-gather relies on it
-        # still aliasing the sharded buffer (see `is_sharded_storage_aliased`).
+        # still aliasing the sharded buffer (see `is_current`).
         self._sharded_local = local
 
     def _init_unsharded_param(self) -> None:
@@ -176,34 +180,26 @@ class FSDPParam:
         self._padded_unsharded = padded
         unsharded = self._as_unsharded(padded[: self.shape[0]])  # (*shape)
         self.unsharded_param = nn.Parameter(unsharded, self.requires_grad)
-        if self.requires_grad:
-            self.unsharded_param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
         free_storage(padded)
-
-    def _on_grad_accumulated(self, _param: nn.Parameter) -> None:
-        if self.on_grad_accumulated is not None:
-            self.on_grad_accumulated(self)
-
-    def free_unsharded_storage(self) -> None:
-        """Free the unsharded values early, leaving the registration to `to_sharded`."""
-        free_storage(self._padded_unsharded)
 
     # Runtime #
 
-    def is_sharded_storage_aliased(self) -> bool:
-        """Whether the sharded param's local tensor still lives in the sharded buffer.
-
-        It stops doing so when user code rebinds ``param.data`` (``module.to()``, a
-        state-dict load with ``assign=True``...). The group then copies the shard in.
-        """
+    def registered_local(self) -> torch.Tensor:
+        """The sharded param's local tensor as it is now (user code may have replaced it)."""
         with torch.no_grad():  # to_local() with grad enabled records an autograd node
-            local = self.sharded_param.to_local()
-        return local.data_ptr() == self._sharded_local.data_ptr() or local.numel() == 0
+            return self.sharded_param.to_local()
 
-    def copy_sharded_into_storage(self) -> None:
-        """Copy-in fallback for a sharded param whose storage was rebound."""
-        with torch.no_grad():
-            self._sharded_local.copy_(self.sharded_param.to_local())
+    def is_current(self) -> bool:
+        """Whether the sharded param's local tensor is still this parameter's segment of
+        the group's sharded buffer. ``nn.Module._apply`` (``to_empty``, ``to(dtype)``,
+        ``cuda()``...) and ``param.data = ...`` replace it; the group then re-derives
+        its sharded state (`FSDPParamGroup.reset_sharded_params`)."""
+        local = self.registered_local()
+        return (
+            local.dtype == self._sharded_local.dtype
+            and local.device == self._sharded_local.device
+            and (local.numel() == 0 or local.data_ptr() == self._sharded_local.data_ptr())
+        )
 
     def unsharded_rows(self, world_size: int) -> torch.Tensor:
         """The padded unsharded buffer as ``(world_size, -1)`` uint8 rows.
@@ -244,6 +240,9 @@ class FSDPParam:
 
     def to_unsharded(self) -> None:
         self._assert_in_states(ShardedState.SHARDED)
+        # requires_grad may have changed on the sharded param since the last unshard.
+        if self.unsharded_param.requires_grad != self.requires_grad:
+            self.unsharded_param.requires_grad_(self.requires_grad)
         self._register(self.unsharded_param)
         self.sharded_state = ShardedState.UNSHARDED
 
@@ -335,13 +334,24 @@ class FSDPParam:
         """
         local_shape = self.geometry.local_shape
         local = reduced[: math.prod(local_shape)].view(local_shape)  # (*local_shape)
-        # Under CPU offload the sharded grad lives with the sharded param, on the CPU.
-        local = local.to(device=self._padded_shard.device, dtype=self.dtype, non_blocking=True)
         grad = self.sharded_param.grad
+        hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None) or {}
+        # Under CPU offload the sharded grad lives with the sharded param, on the CPU.
+        # The copy may run asynchronously only if nothing on the host reads it before
+        # the end of backward: not an add into an existing grad, not a user hook.
+        local = local.to(
+            device=self._padded_shard.device,
+            dtype=self.dtype,
+            non_blocking=grad is None and not hooks,
+        )
         if grad is None:
             self.sharded_param.grad = self._sharded_dtensor(local)
         else:
             grad.to_local().add_(local)
+        # Hooks registered on the sharded param (optimizer-in-backward) run once its
+        # grad has landed, as autograd would run them for a plain parameter.
+        for hook in hooks.values():
+            hook(self.sharded_param)
 
     def _as_unsharded(self, data: torch.Tensor) -> torch.Tensor:
         """``data`` (of ``shape``) as the unsharded param's tensor: itself, or for a
@@ -371,19 +381,27 @@ class FSDPParam:
 
     # Re-homing and initialization #
 
-    def rebind_sharded_storage(self, segment: torch.Tensor) -> None:
-        """After ``nn.Module._apply`` (``to_empty``, ``to``, ``cuda``...) gave the sharded
-        param a new local tensor: copy it into ``segment`` of the group's new sharded
-        buffer and make the sharded param a view of it again. The Parameter object is
-        kept (``swap_tensors``), so optimizers and hooks built on it stay valid."""
-        local = self.sharded_param.to_local()
+    def reset_sharded_param(self, segment: torch.Tensor) -> None:
+        """Re-derive this parameter from what replaced its local tensor (see `is_current`):
+        take its dtype (and the policy's dtypes for it), copy its values into
+        ``segment`` of the group's new sharded buffer and make that the local tensor.
+
+        Args:
+            segment: 1-D uint8 of ``padded_shard_numel`` elements of the new dtype, on
+                the device of the replaced local tensor.
+        """
+        local = self.registered_local()  # (*local_shape), the new dtype and device
+        self.dtype = local.dtype
+        self.param_dtype, self.reduce_dtype = mp_dtypes(self.mp_policy, self.dtype)
         self._padded_shard = self.padded_shard_view(segment)
         with torch.no_grad():
             self._padded_shard.zero_()
             view = self._padded_shard[: self.geometry.local_shape[0]]  # (*local_shape)
             view.copy_(local)
-            rebound = nn.Parameter(self._sharded_dtensor(view), requires_grad=self.requires_grad)
-        torch.utils.swap_tensors(self.sharded_param, rebound)
+        # The same Parameter and DTensor objects, so optimizers, hooks and .grad built on
+        # them stay valid; only the storage behind the local tensor changes (same dtype,
+        # shape and device). torch's FSDP2 swaps the local tensor the same way.
+        self.sharded_param._local_tensor = view
         self._sharded_local = view
         self._init_unsharded_param()
 

@@ -7,12 +7,20 @@ the all-gather reads it in place, so the per-step copy-in that torch's FSDP2 doe
 shard into a fresh all-gather buffer) disappears. The optimizer updates the views in
 place, which keeps them valid. Parameters are laid out by element size, largest first,
 so each segment's byte offset is a multiple of its dtype's size and ``view(dtype)``
-works without alignment padding; a group may mix dtypes. If user code rebinds a sharded
-param's storage (``param.data = ...``), `FSDPParam.is_sharded_storage_aliased` notices
-and that one shard is copied in before the all-gather.
+works without alignment padding; a group may mix dtypes.
+
+[Note: re-deriving the sharded state]
+``nn.Module._apply`` (``to_empty``, ``to(dtype)``, ``half()``, ``cuda()``...) and
+``param.data = ...`` give sharded params new local tensors outside the sharded buffer.
+As in torch's FSDP2, the sharded params as the user left them are the truth: the
+group re-derives dtypes and the sharded buffer from them (`reset_sharded_params`) after
+every ``_apply`` of one of its modules once none of them is on meta any more (a group
+over several modules is only complete after the last one's ``_apply``), at lazy init,
+and before an all-gather that finds a replaced local tensor.
 """
 
 import time
+import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -93,14 +101,7 @@ class FSDPParamGroup:
         self.device = device
         self.offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
         self.fsdp_params = self._shard(params, self._sharded_device(device), mp_policy)
-        for fsdp_param in self.fsdp_params:
-            fsdp_param.on_grad_accumulated = self._free_after_grad
-        # The all-gather carries param_dtype. Without a cast it reads the sharded buffer
-        # in place and this order is the buffer's; with one, a copy-in casts each shard
-        # into a param_dtype buffer laid out in this order (largest dtype first again).
-        self._all_gather_order = sorted(self.fsdp_params, key=lambda p: -p.param_dtype.itemsize)
-        self._all_gather_split = [p.all_gather_nbytes for p in self._all_gather_order]
-        self._casts_on_all_gather = any(p.param_dtype != p.dtype for p in self.fsdp_params)
+        self._init_all_gather_layout()
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         # FSDPModule.set_* knobs (torch's names); the reduction has its own.
@@ -116,7 +117,11 @@ class FSDPParamGroup:
         # backward; None when the group is fully sharded or unsharded.
         self._post_forward_buffer: torch.Tensor | None = None
         self._forwarded_modules: set[int] = set()  # ids of modules whose forward ran
-        self._pending_post_backward_nodes = 0
+        # The autograd contexts of this iteration's post-backward nodes that have not run
+        # yet; post-backward runs when the last one does. Weak, so the nodes of a forward
+        # whose graph was dropped without a backward (warm-up, eval with grad enabled)
+        # leave the set with their graph instead of blocking the next backward.
+        self._pending_post_backward_nodes: weakref.WeakSet[object] = weakref.WeakSet()
 
     # Initialization #
 
@@ -148,6 +153,14 @@ class FSDPParamGroup:
             for source, segment in zip(layout, segments, strict=True)
         ]
 
+    def _init_all_gather_layout(self) -> None:
+        # The all-gather carries param_dtype. Without a cast it reads the sharded buffer
+        # in place and this order is the buffer's; with one, a copy-in casts each shard
+        # into a param_dtype buffer laid out in this order (largest dtype first again).
+        self._all_gather_order = sorted(self.fsdp_params, key=lambda p: -p.param_dtype.itemsize)
+        self._all_gather_split = [p.all_gather_nbytes for p in self._all_gather_order]
+        self._casts_on_all_gather = any(p.param_dtype != p.dtype for p in self.fsdp_params)
+
     def _sharded_device(self, device: torch.device) -> torch.device:
         if self.offload is None or device.type == "meta":
             return device
@@ -159,27 +172,61 @@ class FSDPParamGroup:
             fsdp_param.to_sharded()
 
     def lazy_init(self, ctx: CommContext) -> None:
+        """Adopt the root's CommContext; re-derive the sharded state from whatever
+        happened to the sharded params since ``fully_shard``, and refuse to train on
+        params that cannot be (the same checks, types and wording as torch's)."""
+        self.reset_sharded_params()
+        on_meta = [p.fqn for p in self.fsdp_params if p.registered_local().is_meta]
+        if on_meta:
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {on_meta}. Call "
+                "module.to_empty(device=...) on the root, then initialize the values (e.g. "
+                "inside dtensor_fsdp.init_unsharded(model), or reset_parameters())"
+            )
+        not_on_cpu = [
+            (p.fqn, p.registered_local().device)
+            for p in self.fsdp_params
+            if self.offload is not None and p.registered_local().device.type != "cpu"
+        ]
+        if not_on_cpu:
+            raise RuntimeError(
+                "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
+                'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
+                f"Found following parameters on non-CPU device: {not_on_cpu}"
+            )
         self.ctx = ctx
 
-    def rehome_after_apply(self) -> None:
-        """``nn.Module._apply`` replaced the sharded params' local tensors (e.g.
-        ``to_empty`` from meta): build the sharded buffer again where they now live."""
-        locals_ = [p.sharded_param.to_local() for p in self.fsdp_params]
-        device = locals_[0].device
-        if (
-            device.type == "meta"
-            or all(p.is_sharded_storage_aliased() for p in self.fsdp_params)
-            and self.sharded_buffer.device == device
-        ):
+    def reset_sharded_params(self) -> None:
+        """Re-derive the sharded buffer and every parameter's dtypes from the sharded
+        params as they are now; a no-op if none was replaced. See [Note: re-deriving
+        the sharded state]."""
+        if all(p.is_current() for p in self.fsdp_params):
             return
+        locals_ = [p.registered_local() for p in self.fsdp_params]
+        devices = {t.device for t in locals_}
+        if len(devices) > 1 or any(t.is_meta for t in locals_):
+            return  # another module of the group has not been applied yet
+        device = devices.pop()
+        if self.offload is not None and device.type != "cpu":
+            return  # lazy init refuses it, as torch does
         if self.device.type == "meta":
             self.device = self.mesh_info.device
-        sizes = [p.padded_shard_nbytes for p in self.fsdp_params]
-        self.sharded_buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        # See [Note: sharded buffer] for the order; sorted in place, since the reduction
+        # holds this same list.
+        self.fsdp_params.sort(key=lambda p: -p.registered_local().dtype.itemsize)
+        sizes = [
+            p.padded_shard_numel * p.registered_local().dtype.itemsize for p in self.fsdp_params
+        ]
+        pin = self.offload is not None and self.offload.pin_memory and self.device.type != "cpu"
+        self.sharded_buffer = torch.empty(
+            sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin
+        )
         for fsdp_param, segment in zip(
             self.fsdp_params, self.sharded_buffer.split(sizes), strict=True
         ):
-            fsdp_param.rebind_sharded_storage(segment)
+            fsdp_param.reset_sharded_param(segment)
+        self._init_all_gather_layout()
 
     # Runtime #
 
@@ -256,14 +303,14 @@ class FSDPParamGroup:
         if len(self._forwarded_modules) < len(self.modules):
             return
         self._forwarded_modules.clear()
-        # With grad disabled no backward follows, so even the root need not stay unsharded.
+        # With grad disabled no backward follows, so even the root need not stay unsharded
+        # (torch keeps it unsharded; see the README's differences).
         if not torch.is_grad_enabled():
             self.reshard()
         elif self.reshard_after_forward and self.post_forward_mesh_info is not None:
             self._reshard_post_forward(self.post_forward_mesh_info)
         elif self.reshard_after_forward:
-            assert self.ctx is not None
-            self.ctx.defer_reshard(self)
+            self.reshard()
         self.training_state = TrainingState.IDLE
 
     def _reshard_post_forward(self, post_forward: MeshInfo) -> None:
@@ -292,22 +339,14 @@ class FSDPParamGroup:
         self._record("pre_backward")
         self.unshard()
 
-    def _free_after_grad(self, fsdp_param: FSDPParam) -> None:
-        """A parameter's unsharded grad is complete, so no backward op still needs its
-        unsharded values (each op that used it has contributed its grad): free them now
-        rather than at the group's post-backward. For the root group this releases the
-        output head, often the largest tensor, at the start of backward instead of its
-        end."""
-        if self.training_state == TrainingState.PRE_BACKWARD and self.reshard_after_backward:
-            fsdp_param.free_unsharded_storage()
+    def register_post_backward_node(self, node: object) -> None:
+        self._pending_post_backward_nodes.add(node)
 
-    def register_post_backward_node(self) -> None:
-        self._pending_post_backward_nodes += 1
-
-    def on_post_backward_node(self) -> None:
-        """One registered post-backward node fired; the last one runs post-backward."""
-        self._pending_post_backward_nodes -= 1
-        if self._pending_post_backward_nodes == 0:
+    def on_post_backward_node(self, node: object) -> None:
+        """One registered post-backward node ran; the last one runs post-backward (two
+        forwards before one backward make one reduce-scatter, not two)."""
+        self._pending_post_backward_nodes.discard(node)
+        if not self._pending_post_backward_nodes:
             self.post_backward()
 
     def post_backward(self) -> None:
@@ -337,7 +376,7 @@ class FSDPParamGroup:
     def reset_iter_state(self) -> None:
         self.training_state = TrainingState.IDLE
         self._forwarded_modules.clear()
-        self._pending_post_backward_nodes = 0
+        self._pending_post_backward_nodes.clear()
 
     def discard_gradients(self) -> None:
         """After an exception: drop every gradient FSDP holds for the failed iteration
@@ -356,9 +395,7 @@ class FSDPParamGroup:
                 self.post_forward_mesh_info,
                 [ratio * nbytes for nbytes in self._all_gather_split],
             )
-        for fsdp_param in self.fsdp_params:
-            if not fsdp_param.is_sharded_storage_aliased():
-                fsdp_param.copy_sharded_into_storage()
+        self.reset_sharded_params()  # ``param.data = ...`` since the last all-gather
         # CPU offload: one host-to-device copy of the whole group's shards.
         sharded = self.sharded_buffer.to(self.device, non_blocking=True)
         if not self._casts_on_all_gather:

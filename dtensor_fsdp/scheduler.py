@@ -6,12 +6,6 @@ tree. It owns the cross-group decisions:
 - the post-forward order of this iteration, from which backward prefetch is derived
   (backward runs the groups in reverse, so while group i computes its backward, group
   i-1's all-gather is already in flight);
-- when a group that reshards after forward actually does: at the next group's
-  post-forward, not its own. The last group to run forward is the first that backward
-  needs, so it stays unsharded into backward instead of being freed and all-gathered
-  straight back: one all-gather less per step, and none in flight at the start of
-  backward, where activation memory peaks. The cost is that two groups are unsharded
-  at once while the next one computes its forward;
 - the queue of in-flight reduce-scatters, bounded so that overlap with the preceding
   groups' backward never holds more than ``max_in_flight_reduce_scatters`` gradient
   buffers at once;
@@ -27,13 +21,11 @@ from typing import Protocol
 
 
 class Prefetchable(Protocol):
-    """What the scheduler needs of a group: its name, an async unshard, a reshard."""
+    """What the scheduler needs of a group: its name and an async unshard."""
 
     fqn: str
 
     def unshard(self, async_op: bool = False) -> None: ...
-
-    def reshard(self) -> None: ...
 
 
 class CommContext:
@@ -45,7 +37,6 @@ class CommContext:
         self.max_in_flight_reduce_scatters = max_in_flight_reduce_scatters
         self.post_forward_order: list[Prefetchable] = []
         self.is_in_forward = False  # between the root's pre- and post-forward
-        self._deferred_reshard: Prefetchable | None = None
         self.is_backward_callback_queued = False
         # One entry per issued reduce-scatter: (finish: wait and land its sharded grads,
         # abandon: wait only, after an exception).
@@ -61,16 +52,7 @@ class CommContext:
         self.is_in_forward = True
 
     def end_forward(self) -> None:
-        """The root's forward is done: the deferred group stays unsharded for backward."""
         self.is_in_forward = False
-        self._deferred_reshard = None
-
-    def defer_reshard(self, group: Prefetchable) -> None:
-        """``group`` finished its forward: reshard the group deferred before it, and
-        defer this one until the next group finishes (see the module docstring)."""
-        previous, self._deferred_reshard = self._deferred_reshard, group
-        if previous is not None and previous is not group:
-            previous.reshard()
 
     def record_post_forward(self, group: Prefetchable) -> None:
         if not self.post_forward_order or self.post_forward_order[-1] is not group:
@@ -124,5 +106,4 @@ class CommContext:
         """Drop per-iteration state (end of backward, or after an exception)."""
         self.post_forward_order.clear()
         self.is_in_forward = False
-        self._deferred_reshard = None
         self.is_backward_callback_queued = False

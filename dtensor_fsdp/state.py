@@ -19,6 +19,7 @@ The lifecycle of a parameter, and the method that performs each step:
 8. Optimizer step on the sharded DTensors: plain ``torch.optim``, no FSDP code.
 """
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -48,9 +49,11 @@ class FSDPState:
         group: FSDPParamGroup | None,
         auto_reshard_after_forward: bool,
         mp_policy: MixedPrecisionPolicy,
+        device: torch.device,
     ) -> None:
         self.modules = modules
         self.group = group
+        self.device = device  # the mesh's: where the root moves its forward inputs
         self.mp_policy = mp_policy  # None when every parameter already belonged to a subgroup
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None  # decided at lazy init
@@ -89,12 +92,14 @@ class FSDPState:
                 )
         assign_fqns(self.modules, states)
         ctx = CommContext(self.max_in_flight_reduce_scatters)
+        # Groups first: one that refuses (params still on meta) leaves no state rooted.
+        for state in states:
+            if state.group is not None:
+                state.group.lazy_init(ctx)
         for state in states:
             state.ctx = ctx
             state.root = self
             state.is_root = state is self
-            if state.group is not None:
-                state.group.lazy_init(ctx)
         # The root's params are needed as soon as backward starts: keep them unsharded.
         if self.group is not None and self.auto_reshard_after_forward:
             self.group.reshard_after_forward = False
@@ -125,6 +130,9 @@ class FSDPState:
             if self.post_optim_event is not None:
                 self.post_optim_event.wait()
                 self.post_optim_event = None
+            if self.device.type not in ("cpu", "meta"):
+                # As DDP and torch's FSDP2: inputs may arrive on the host.
+                args, kwargs = inputs_to_device((args, kwargs), self.device)
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
         if self.group is None:
@@ -161,9 +169,9 @@ class FSDPState:
             self.ctx.prefetch_backward(self.group, explicit)
         return grad
 
-    def post_backward(self) -> None:
+    def post_backward(self, node: object) -> None:
         if self.group is not None:
-            self.group.on_post_backward_node()
+            self.group.on_post_backward_node(node)
 
     def finalize_backward(self) -> None:
         """The root's end-of-backward callback, for every group in the tree."""
@@ -171,8 +179,10 @@ class FSDPState:
         for state in self.states_in_tree:
             if state.group is not None:
                 state.group.finalize_backward()
+        # Every sharded grad has landed when backward returns, as in torch (whose
+        # set_is_last_backward(False) only skips waiting for the device streams).
+        self.ctx.wait_for_reduce_scatters()
         if self.is_last_backward:
-            self.ctx.wait_for_reduce_scatters()
             self._wait_for_offloaded_grads()
         self.ctx.reset()
 
@@ -215,8 +225,6 @@ class FSDPState:
         indices = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not indices:
             return args, kwargs
-        assert self.group is not None
-        self.group.register_post_backward_node()
         outputs = _PostBackward.apply(self, *(flat[i] for i in indices))
         for i, tensor in zip(indices, outputs, strict=True):
             flat[i] = tensor
@@ -239,12 +247,33 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
+        assert state.group is not None
+        state.group.register_post_backward_node(ctx)
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.post_backward()
+        ctx.state.post_backward(ctx)
         return (None, *grads)
+
+
+def inputs_to_device(inputs: Any, device: torch.device) -> Any:
+    """Move every tensor in nested forward inputs to ``device``: tensors, lists, tuples
+    (named ones too), dicts and dataclasses, like torch's ``_to_kwargs`` for DDP/FSDP2."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs if inputs.device == device else inputs.to(device)
+    if isinstance(inputs, tuple) and hasattr(inputs, "_fields"):  # a namedtuple
+        return type(inputs)(*(inputs_to_device(x, device) for x in inputs))
+    if isinstance(inputs, (list, tuple)):
+        return type(inputs)(inputs_to_device(x, device) for x in inputs)
+    if isinstance(inputs, dict):
+        return type(inputs)((k, inputs_to_device(v, device)) for k, v in inputs.items())
+    if dataclasses.is_dataclass(inputs) and not isinstance(inputs, type):
+        fields = [f.name for f in dataclasses.fields(inputs) if f.init]
+        return dataclasses.replace(
+            inputs, **{name: inputs_to_device(getattr(inputs, name), device) for name in fields}
+        )
+    return inputs
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

@@ -6,10 +6,11 @@
   forward of the root).
 - ``model.load_state_dict(sd)`` takes sharded DTensors (any placements or mesh: they
   are redistributed) and plain full tensors (each rank keeps its own chunk: no rank
-  broadcasts the model). ``FSDPModule.load_state_dict`` checks keys, shapes and
-  dtypes of everything before it copies anything, so a bad state dict leaves the model
-  as it was (torch's raises after copying the rest). Values are copied into the
-  sharded storage in place: the zero-copy all-gather input stays intact.
+  broadcasts the model). ``FSDPModule.load_state_dict`` checks keys and shapes of
+  everything before it copies anything, so a bad state dict leaves the model as it was
+  (torch's raises after copying the rest). Values are copied into the sharded storage
+  in place, cast to the parameter's dtype as ``nn.Module`` and torch's FSDP2 do: the
+  zero-copy all-gather input stays intact.
 - ``save_full_state_dict(model, path)`` writes a full, unsharded checkpoint from rank 0
   one tensor at a time (memory: the largest tensor), in the safetensors format, which
   needs no extra dependency to write (``safetensors.torch.load_file`` reads it too);
@@ -88,10 +89,11 @@ def validate_state_dict(
     module: nn.Module, module_name: str, state_dict: Mapping[str, Any], strict: bool
 ) -> None:
     """Raise, naming the keys, if ``state_dict`` cannot load into ``module`` whole.
+    Another dtype is not a problem: the copy casts, as ``nn.Module``'s does.
 
     Raises:
-        RuntimeError: missing or unexpected keys (``strict``), or a value whose shape or
-            dtype differs from the module's.
+        RuntimeError: missing or unexpected keys (``strict``), or a value whose shape
+            differs from the module's.
     """
     expected = module.state_dict()
     problems = []
@@ -108,10 +110,6 @@ def validate_state_dict(
             continue
         if got.shape != want.shape:
             problems.append(f"'{key}': shape {tuple(got.shape)}, expected {tuple(want.shape)}")
-        elif got.dtype != want.dtype:
-            problems.append(
-                f"'{key}': dtype {got.dtype}, expected {want.dtype} (cast the state dict first)"
-            )
     if problems:
         raise RuntimeError(
             f"Error(s) loading state_dict for {module_name}; nothing was loaded:\n  "

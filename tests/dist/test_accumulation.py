@@ -188,9 +188,9 @@ def test_only_the_last_micro_batch_reduce_scatters(run, how):
     # Without sync, no sharded grad appears until the last micro-batch lands them all.
     assert [m["has_sharded_grad"] for m in micro] == [[False] * 6, [False] * 6, [True] * 6]
     assert_expected_inline("\n".join(m["comms"] for m in micro), """\
-all_gather(root,f) all_gather(0,f) all_gather(2,f) all_gather(0,b)
-all_gather(root,f) all_gather(0,f) all_gather(2,f) all_gather(0,b)
-all_gather(root,f) all_gather(0,f) all_gather(2,f) all_gather(0,b) reduce_scatter(2,b) reduce_scatter(root,b) reduce_scatter(0,b)""")
+all_gather(root,f) all_gather(0,f) all_gather(2,f) all_gather(2,b) all_gather(0,b)
+all_gather(root,f) all_gather(0,f) all_gather(2,f) all_gather(2,b) all_gather(0,b)
+all_gather(root,f) all_gather(0,f) all_gather(2,f) all_gather(2,b) all_gather(0,b) reduce_scatter(2,b) reduce_scatter(root,b) reduce_scatter(0,b)""")
 
 
 def test_reshard_after_backward_false_keeps_params_for_the_next_forward(run):
@@ -198,9 +198,9 @@ def test_reshard_after_backward_false_keeps_params_for_the_next_forward(run):
     # Micro-batches 2 and 3 find every group unsharded: no forward all-gather. Block 0
     # still reshards after its forward (reshard_after_forward), so backward gathers it.
     assert_expected_inline("\n".join(m["comms"] for m in micro), """\
-all_gather(root,f) all_gather(0,f) all_gather(2,f) all_gather(0,b)
-all_gather(0,b)
-all_gather(0,b) reduce_scatter(2,b) reduce_scatter(root,b) reduce_scatter(0,b)""")
+all_gather(root,f) all_gather(0,f) all_gather(2,f) all_gather(2,b) all_gather(0,b)
+all_gather(2,b) all_gather(0,b)
+all_gather(2,b) all_gather(0,b) reduce_scatter(2,b) reduce_scatter(root,b) reduce_scatter(0,b)""")
     # Unsharded storage kept between micro-batches (all three groups' padded params:
     # (16x8 + 16 + 16x16 + 16 + 4x16 + 4) fp32), freed by the last backward.
     kept = (16 * 8 + 16 + 16 * 16 + 16 + 4 * 16 + 4) * 4

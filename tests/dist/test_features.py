@@ -802,13 +802,13 @@ def test_custom_all_gather_and_reduce_scatter_are_used(run):
     for rec in scenario_records(run, "custom_comms"):
         _assert_parity(rec["records"], "custom comms")
         gathers, scatters = rec["gathers"], rec["scatters"]
-        # Per step: every group all-gathers in forward, block 0 again in backward (the
-        # root keeps its params, block 2 is the first in backward); 1-D uint8 buffers of
-        # W x the padded shard bytes (see test_comm.py).
+        # Per step: every group all-gathers in forward, the blocks again in backward (the
+        # root keeps its params); 1-D uint8 buffers of W x the padded shard bytes (see
+        # test_comm.py).
         assert gathers == {
             "root": ([(torch.uint8, 1, 272)] * STEPS, STEPS),
             "0": ([(torch.uint8, 1, 576)] * 2 * STEPS, 2 * STEPS),
-            "2": ([(torch.uint8, 1, 1088)] * STEPS, STEPS),
+            "2": ([(torch.uint8, 1, 1088)] * 2 * STEPS, 2 * STEPS),
         }
         # One SUM reduce-scatter per group per step: fp32 numels in, 1/W out.
         sum_op = str(dist.ReduceOp.SUM)
@@ -837,11 +837,11 @@ def test_unshard_in_backward_false_skips_the_backward_all_gather(run):
     skipped = scenario_records(run, "no_unshard_in_backward")
     # By default the block's pre-backward prefetches the embedding's params.
     assert default[1]["trace"] == (
-        "all_gather(root,f) all_gather(emb,f) all_gather(block,f) all_gather(emb,b) "
-        "reduce_scatter(block,b) reduce_scatter(root,b) reduce_scatter(emb,b)"
+        "all_gather(root,f) all_gather(emb,f) all_gather(block,f) all_gather(block,b) "
+        "all_gather(emb,b) reduce_scatter(block,b) reduce_scatter(root,b) reduce_scatter(emb,b)"
     )
     assert skipped[0]["records"][1]["trace"] == (
-        "all_gather(root,f) all_gather(emb,f) all_gather(block,f) "
+        "all_gather(root,f) all_gather(emb,f) all_gather(block,f) all_gather(block,b) "
         "reduce_scatter(block,b) reduce_scatter(root,b) reduce_scatter(emb,b)"
     )
     for rec in skipped:
@@ -872,7 +872,7 @@ def test_reset_iter_state_after_an_exception(run, where):
     # The steps after the reset run the normal schedule.
     trace = scenario_records(run, f"reset_{where}")[0]["trace"]
     step = (
-        "all_gather(root,f) all_gather(b0,f) all_gather(b1,f) all_gather(b0,b) "
+        "all_gather(root,f) all_gather(b0,f) all_gather(b1,f) all_gather(b1,b) all_gather(b0,b) "
         "reduce_scatter(b1,b) reduce_scatter(root,b) reduce_scatter(b0,b)"
     )
     assert trace == " ".join([step] * STEPS)
@@ -897,7 +897,8 @@ reshard body forward
 reshard root forward""")
     # x has no grad, so both groups reduce-scatter from the final callback, root first.
     assert rec["grad_trace"] == (
-        "all_gather(root,f) all_gather(body,f) reduce_scatter(root,b) reduce_scatter(body,b)"
+        "all_gather(root,f) all_gather(body,f) all_gather(body,b) reduce_scatter(root,b) "
+        "reduce_scatter(body,b)"
     )
 
 
@@ -908,8 +909,9 @@ def test_activation_checkpointing_matches_and_adds_no_all_gather(run, mode):
         # Recompute runs each block's body once more per step, without communicating.
         assert rec["body_calls"] == [STEPS * (1 if mode == "none" else 2)] * 2
     assert scenario_records(run, f"ac_{mode}")[0]["trace"] == (
-        "all_gather(root,f) all_gather(blocks.0,f) all_gather(blocks.1,f) all_gather(blocks.0,b) "
-        "reduce_scatter(blocks.1,b) reduce_scatter(root,b) reduce_scatter(blocks.0,b)"
+        "all_gather(root,f) all_gather(blocks.0,f) all_gather(blocks.1,f) all_gather(blocks.1,b) "
+        "all_gather(blocks.0,b) reduce_scatter(blocks.1,b) reduce_scatter(root,b) "
+        "reduce_scatter(blocks.0,b)"
     )
 
 
@@ -957,10 +959,12 @@ def test_frozen_params_get_no_grad_and_no_reduce_scatter_bytes(run):
     # All-gathers carry every param: group 2 is (16x16 + 16 + 4x16 + 16x4) fp32, the
     # root 0's (16x8 + 16) and 4's (2 ranks x 2 rows x 16, 2 x 2) padded. Reduce-scatters
     # carry the trainable ones only: the root 4.weight and 4.bias padded as above, group
-    # 2 lora_a (4x16) + lora_b (16x4). Group 2's input comes from a frozen layer and has
-    # no grad, so it reduce-scatters from the final callback, after the root.
+    # 2 lora_a (4x16) + lora_b (16x4). Group 2 resharded after forward and is gathered
+    # again for backward. Its input comes from a frozen layer and has no grad, so it
+    # reduce-scatters from the final callback, after the root.
     assert comms == [
         ("all_gather", "", (16 * 8 + 16 + 4 * 16 + 4) * 4),
+        ("all_gather", "2", (16 * 16 + 16 + 4 * 16 + 16 * 4) * 4),
         ("all_gather", "2", (16 * 16 + 16 + 4 * 16 + 16 * 4) * 4),
         ("reduce_scatter", "", (4 * 16 + 4) * 4),
         ("reduce_scatter", "2", (4 * 16 + 16 * 4) * 4),

@@ -286,6 +286,7 @@ all_gather     root     over 2    128 B  forward
 all_gather     blocks.0 over 2   1360 B  forward
 all_gather     blocks.1 over 2   1176 B  forward
 all_gather     blocks.2 over 2    224 B  forward
+all_gather     blocks.2 over 2    224 B  backward
 all_gather     blocks.1 over 2   1176 B  backward
 reduce_scatter blocks.2 over 2    224 B  backward
 all_gather     blocks.0 over 2   1360 B  backward
@@ -308,6 +309,7 @@ all_gather     root     over 2    128 B  forward
 all_gather     blocks.0 over 2   1360 B  forward
 all_gather     blocks.1 over 2   1176 B  forward
 all_gather     blocks.2 over 2    224 B  forward
+all_gather     blocks.2 over 2    224 B  backward
 all_gather     blocks.1 over 2   1176 B  backward
 reduce_scatter blocks.2 over 2    224 B  backward
 all_gather     blocks.0 over 2   1360 B  backward
@@ -318,6 +320,7 @@ all_gather     root     over 2    128 B  forward
 all_gather     blocks.0 over 2   1360 B  forward
 all_gather     blocks.1 over 2   1176 B  forward
 all_gather     blocks.2 over 2    224 B  forward
+all_gather     blocks.2 over 2    224 B  backward
 all_gather     blocks.1 over 2   1176 B  backward
 reduce_scatter blocks.2 over 2    224 B  backward
 all_gather     blocks.0 over 2   1360 B  backward

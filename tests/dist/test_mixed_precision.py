@@ -170,13 +170,13 @@ def test_all_gather_carries_param_dtype_and_reduce_scatter_reduce_dtype(run):
     )
     assert fp32 == [
         ("all_gather", "", 272), ("all_gather", "0", 576), ("all_gather", "2", 1088),
-        ("all_gather", "0", 576),
+        ("all_gather", "2", 1088), ("all_gather", "0", 576),
         ("reduce_scatter", "2", 1088), ("reduce_scatter", "", 272), ("reduce_scatter", "0", 576),
     ]
     halve = lambda comms, kinds: [(k, f, n // 2 if k in kinds else n) for k, f, n in comms]
     # bf16 all-gathers are half the bytes; an fp32 reduction keeps fp32 reduce-scatters.
     assert bf16_fp32 == halve(fp32, {"all_gather"})
-    assert sum(n for k, _, n in bf16_fp32 if k == "all_gather") == (1936 + 576) // 2
+    assert sum(n for k, _, n in bf16_fp32 if k == "all_gather") == (1936 + 1088 + 576) // 2
     # reduce_dtype=None reduces in param_dtype: everything halves.
     assert bf16_bf16 == halve(fp32, {"all_gather", "reduce_scatter"})
 

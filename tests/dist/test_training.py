@@ -559,15 +559,12 @@ def test_mlp_reshard_after_forward_false(mlp_run, how):
             )
 
 
-def test_mlp_reshard_after_forward_default(mlp_run, fsdp_impl):
-    # Control for the test above: by default the blocks reshard after forward, except
-    # that ours keeps the last block of the forward unsharded, since backward needs it
-    # first (see dtensor_fsdp/scheduler.py); torch reshards it and gathers it again.
+def test_mlp_reshard_after_forward_default(mlp_run):
+    # Control for the test above: by default every block reshards after forward, the
+    # last one too (torch's behaviour, which the same test shows with --fsdp-impl torch).
     for rec in scenario_records(mlp_run, "adamw"):
         for srec in rec["steps"]:
-            *earlier, last = srec["blocks_sharded_after_forward"]
-            assert all(earlier)
-            assert last == (fsdp_impl == "torch")
+            assert all(srec["blocks_sharded_after_forward"])
 
 
 def _assert_torch_parity(ranks: list[dict]) -> None:
