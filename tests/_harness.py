@@ -308,3 +308,28 @@ def fake_mesh(world_size: int, rank: int = 0) -> Iterator[DeviceMesh]:
         yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------
+# torch's own FSDP test helpers, for the scenarios ported from torch's suite
+# (tests/dist/test_scenarios_*.py)
+# ---------------------------------------------------------------------------
+
+# Imported on first use (PEP 562): common_fsdp pulls in torch's whole distributed test
+# framework, which the other tests' spawned ranks need not pay for.
+_TORCH_TEST_EXPORTS = {
+    "MLP": "torch.testing._internal.common_fsdp",  # Linear(d, m*d), ReLU, Linear(m*d, d), ReLU
+    "MLPStack": "torch.testing._internal.common_fsdp",  # three MLPs, multipliers 3, 4, 3
+    "FSDPTest": "torch.testing._internal.common_fsdp",
+    "FSDPTestMultiThread": "torch.testing._internal.common_fsdp",  # threaded process group
+    "parametrize": "torch.testing._internal.common_utils",  # pytest's cannot reach unittest
+    "instantiate_parametrized_tests": "torch.testing._internal.common_utils",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _TORCH_TEST_EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_TORCH_TEST_EXPORTS[name]), name)
