@@ -371,6 +371,10 @@ class FSDPParamGroup:
             # Ran forward but took no part in backward: nothing to reduce.
             if self.reshard_after_backward:
                 self.reshard()
+        # A backward prefetch that no pre-backward consumed (its forward was recomputed
+        # after the group's post-backward, say) holds this step's values: the optimizer
+        # is about to change them, so the next forward must not use it.
+        self._wait_all_gather()
         self.reset_iter_state()
 
     def reset_iter_state(self) -> None:

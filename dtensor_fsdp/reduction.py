@@ -26,6 +26,10 @@ from .param import FSDPParam
 from .scheduler import CommContext
 
 
+# Reduce dtypes whose range lets the collective sum before dividing.
+_NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16)
+
+
 class GradientReduction:
     """Reduces one group's gradients; holds the reduction's ``FSDPModule.set_*`` knobs."""
 
@@ -72,7 +76,7 @@ class GradientReduction:
             # fp16 could overflow while the collective sums: it pre-divides instead.
             prefer_average=self.gradient_divide_factor is None
             and not self.force_sum_reduction
-            and reduce_dtype != torch.float16,
+            and reduce_dtype in _NO_OVERFLOW_RISK,
             custom=self.custom_reduce_scatter,
         )
         grads = [grad.to(reduce_dtype) for _, grad in to_reduce if grad is not None]
@@ -94,15 +98,20 @@ class GradientReduction:
     def _divisors(self, plan: ReduceScatterPlan, reduce_dtype: torch.dtype) -> tuple[float, float]:
         """(before, after) the reduction: the gradient average over every data-parallel
         rank, or ``set_gradient_divide_factor``'s factor, unless the collective averages.
-        fp16 splits it around the sum (sqrt each side) so the sum cannot overflow."""
+        Other dtypes than fp32/bf16 (fp16's range is small) split it around the sum, about
+        sqrt each side, so the sum cannot overflow: torch's power-of-two split, so the
+        rounding is torch's too."""
         if plan.average_in_collective:
             return 1.0, 1.0
         divisor = self.gradient_divide_factor or float(
             self.mesh_info.shard_size * self.mesh_info.replicate_size
         )
-        if reduce_dtype == torch.float16:
-            return divisor**0.5, divisor**0.5
-        return 1.0, divisor
+        if reduce_dtype in _NO_OVERFLOW_RISK:
+            return 1.0, divisor
+        pre_divisor = 1
+        while divisor % pre_divisor == 0 and divisor / pre_divisor > pre_divisor:
+            pre_divisor *= 2
+        return float(pre_divisor), divisor / pre_divisor
 
     def _finish(
         self,

@@ -211,12 +211,11 @@ class FSDPState:
     # Hook plumbing #
 
     def _is_recomputing_in_backward(self) -> bool:
-        # Activation checkpointing re-runs forward inside backward; the pre-backward
-        # hook already unsharded the group, and nothing may be registered again.
-        return self.group is not None and self.group.training_state in (
-            TrainingState.PRE_BACKWARD,
-            TrainingState.POST_BACKWARD,
-        )
+        # Activation checkpointing re-runs forward inside this group's backward; the
+        # pre-backward hook already unsharded the group, and nothing may be registered
+        # again. After the group's post-backward (reentrant AC over two forwards: the
+        # first forward's region is recomputed later) it is an ordinary forward again.
+        return self.group is not None and self.group.training_state == TrainingState.PRE_BACKWARD
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not torch.is_grad_enabled():

@@ -207,10 +207,11 @@ def _param_to_shard(
     sharded_as = getattr(param, _REPLACED_ATTR, None)
     if sharded_as is not None:
         raise ValueError(
-            f"fully_shard({root_name}): parameter '{fqn}' is shared with a module that an "
-            f"earlier fully_shard call sharded (as '{sharded_as}'). A shared parameter must be "
-            "in one group: call fully_shard on the modules' common ancestor only, or "
-            "fully_shard([module_a, module_b])"
+            f"fully_shard({root_name}): parameter '{fqn}' is shared with a parameter already "
+            f"managed by another FSDP group (an earlier fully_shard call sharded it as "
+            f"'{sharded_as}'). For shared/tied parameters, use fully_shard([module_a, "
+            "module_b]) to place them in the same FSDP group, or call fully_shard on the "
+            "modules' common ancestor only"
         )
     data = param.to_local() if isinstance(param, DTensor) else param
     if data.dim() == 0:

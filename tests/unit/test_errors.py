@@ -80,7 +80,7 @@ def test_parameter_shared_across_groups_names_it_and_the_fix() -> None:
         fully_shard(model[2], mesh=mesh)
         _assert_rejected(
             model, lambda: fully_shard(model, mesh=mesh), ValueError,
-            "'tied.weight' is shared with a module.*as 'weight of Linear'.*common ancestor",
+            "'tied.weight' is shared with a parameter already managed by another FSDP group.*as 'weight of Linear'.*common ancestor",
         )
 
 
@@ -167,7 +167,7 @@ def test_parameter_shared_between_sibling_groups() -> None:
         fully_shard(model[0], mesh=mesh)
         _assert_rejected(  # model[1] cannot see model[0]: they are siblings
             model, lambda: fully_shard(model[1], mesh=mesh), ValueError,
-            "parameter 'weight' is shared with a module.*'weight of Linear'.*fully_shard\\(\\[module_a",
+            "parameter 'weight' is shared with a parameter already managed.*'weight of Linear'.*fully_shard\\(\\[module_a",
         )
 
 
