@@ -89,10 +89,26 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
         # HSDP: replicate over axis 0 (across nodes), shard over axis 1 (within a node).
         return MeshInfo(mesh=mesh, shard_axis=1, replicate_axis=0)
     raise ValueError(
-        f"fully_shard got a {mesh.ndim}-D mesh {mesh}: pass a 1-D mesh (FSDP) or a 2-D "
-        "(replicate, shard) mesh (HSDP); for tensor parallelism pass the data-parallel "
-        "sub-mesh, e.g. mesh['dp'] or mesh['replicate', 'shard']"
+        f"fully_shard expects a 1D or 2D DeviceMesh but got a {mesh.ndim}-D mesh {mesh}: "
+        "pass a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP); for tensor "
+        "parallelism pass the data-parallel sub-mesh, e.g. mesh['dp'] or "
+        "mesh['replicate', 'shard']"
     )
+
+
+def same_process_groups(
+    mesh_info: MeshInfo, mesh: object, shard_axis: object, replicate_axis: object
+) -> bool | None:
+    """Whether ``mesh``'s ``shard_axis`` (and ``replicate_axis``, None for none) are the
+    process groups ``mesh_info`` shards (and replicates) over, as torch's FSDP2 groups
+    parameters; None if the arguments do not describe a data-parallel mesh."""
+    if not isinstance(mesh, DeviceMesh) or not isinstance(shard_axis, int):
+        return None
+    if replicate_axis is not None and not isinstance(replicate_axis, int):
+        return None
+    replicate = None if replicate_axis is None else mesh.get_group(replicate_axis)
+    ours = mesh_info.replicate_group if mesh_info.is_hsdp else None
+    return mesh.get_group(shard_axis) is mesh_info.shard_group and replicate is ours
 
 
 @dataclass(frozen=True)
