@@ -68,14 +68,16 @@ class MeshInfo:
 
 
 def default_mesh() -> DeviceMesh:
-    """A 1-D mesh over the whole default process group, on the backend's natural device."""
+    """A 1-D mesh over the whole default process group: on the accelerator, as in torch,
+    if the group has a backend for it (``"cpu:gloo"`` has none for CUDA), else the CPU."""
     if not dist.is_initialized():
         raise ValueError(
             "fully_shard(mesh=None) needs an initialized default process group: call "
             "torch.distributed.init_process_group() first (torchrun sets up its environment)"
         )
-    backend = dist.get_backend()
-    device_type = "cpu" if backend == "gloo" else _accelerator_type()
+    device_type = _accelerator_type()
+    if device_type != "cpu" and backend_for(dist.group.WORLD, torch.device(device_type)) is None:
+        device_type = "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 

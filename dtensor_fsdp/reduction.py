@@ -15,8 +15,8 @@ import torch
 
 from .api import ReduceScatter
 from .collectives import (
-    ReduceScatterPlan,
     ReduceScatterResult,
+    ReductionPlan,
     all_reduce,
     finish_reduce_scatter,
     reduce_scatter,
@@ -67,8 +67,10 @@ class GradientReduction:
         if not with_grad:
             return
         reduce_dtype = with_grad[0].reduce_dtype
-        plan = ReduceScatterPlan.choose(
+        plan = ReductionPlan.choose(
             self.mesh_info.shard_group,
+            self.mesh_info.replicate_group if self.mesh_info.is_hsdp else None,
+            self.mesh_info.device,
             # fp16 could overflow while the collective sums: it pre-divides instead.
             prefer_average=self.gradient_divide_factor is None
             and not self.force_sum_reduction
@@ -91,15 +93,17 @@ class GradientReduction:
             lambda: result.work.wait() if result.work is not None else None,
         )
 
-    def _divisors(self, plan: ReduceScatterPlan, reduce_dtype: torch.dtype) -> tuple[float, float]:
+    def _divisors(self, plan: ReductionPlan, reduce_dtype: torch.dtype) -> tuple[float, float]:
         """(before, after) the reduction: the gradient average over every data-parallel
-        rank, or ``set_gradient_divide_factor``'s factor, unless the collective averages.
-        fp16 splits it around the sum (sqrt each side) so the sum cannot overflow."""
-        if plan.average_in_collective:
-            return 1.0, 1.0
+        rank, or ``set_gradient_divide_factor``'s factor, less the axes whose collective
+        averages. fp16 splits it around the sum (sqrt each side) so the sum cannot
+        overflow."""
         divisor = self.gradient_divide_factor or float(
-            self.mesh_info.shard_size * self.mesh_info.replicate_size
+            (1 if plan.average_in_reduce_scatter else self.mesh_info.shard_size)
+            * (1 if plan.average_in_all_reduce else self.mesh_info.replicate_size)
         )
+        if divisor == 1.0:
+            return 1.0, 1.0
         if reduce_dtype == torch.float16:
             return divisor**0.5, divisor**0.5
         return 1.0, divisor
@@ -126,7 +130,7 @@ class GradientReduction:
                 return
             params, reduced = self._all_reduce_over_replicas(
                 dict(zip(with_grad, self._split(reduced, with_grad), strict=True)),
-                average=result.plan.average_in_collective,
+                average=result.plan.average_in_all_reduce,
             )
         if post_divisor != 1.0:
             reduced.div_(post_divisor)

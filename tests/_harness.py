@@ -308,3 +308,20 @@ def fake_mesh(world_size: int, rank: int = 0) -> Iterator[DeviceMesh]:
         yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------
+# torch's threaded process group (tests/dist/test_threaded_pg.py)
+# ---------------------------------------------------------------------------
+
+
+def __getattr__(name: str) -> Any:
+    """``FSDPTestMultiThread``: torch's unittest base class that runs each test method in
+    one thread per rank on the in-process ``"threaded"`` process group. Imported on first
+    use: ``common_fsdp`` takes seconds to import, and every spawned rank imports this file.
+    """
+    if name == "FSDPTestMultiThread":
+        from torch.testing._internal.common_fsdp import FSDPTestMultiThread
+
+        return FSDPTestMultiThread
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
