@@ -11,7 +11,13 @@ from .api import (
     OffloadPolicy,
     ReduceScatter,
 )
-from .fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .fully_shard import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from .init import init_unsharded
 from .state_dict import load_full_state_dict, save_full_state_dict
 from .trace import CommEvent, CommTrace, LifecycleEvent
@@ -33,4 +39,5 @@ __all__ = [
     "load_full_state_dict",
     "register_fsdp_forward_method",
     "save_full_state_dict",
+    "share_comm_ctx",
 ]

@@ -4,16 +4,22 @@ Inputs in, a small frozen dataclass out; *when* to call these is scheduler.py's 
 param_group.py's business.
 
 Backends differ in what they do well, so the reduce-scatter has two implementations,
-picked once per process group by `ReduceScatterPlan.for_group`:
+picked per backward by `ReductionPlan.choose` from the backend that serves the
+gradients' device (``ProcessGroup._get_backend(device)``), never from the backend's
+name: ``init_process_group()`` reports ``"undefined"``, and ``"cuda:nccl,cpu:gloo"``
+names two backends.
 
-- ``reduce_scatter_tensor`` (NCCL and others), with ``ReduceOp.AVG`` on NCCL unless a
-  custom divide factor or sum-only reduction is asked for: one ring reduce-scatter,
-  (W-1)/W of the buffer on the wire per rank.
 - ``all_to_all_single`` then a local sum (gloo): gloo implements
   ``reduce_scatter_tensor`` as a full all-reduce plus a copy, about twice the ring
   traffic; an all-to-all moves exactly (W-1)/W of the buffer, and the W-way sum is cheap
   on the CPU that does it anyway. gloo also lacks ``PREMUL_SUM``, so the average is a
   divide after the sum.
+- ``reduce_scatter_tensor`` on a 1-D input (NCCL, every other backend, and process
+  groups that cannot name their backend, such as torch's threaded test group): one ring
+  reduce-scatter, (W-1)/W of the buffer on the wire per rank. ``ReduceOp.AVG`` only on
+  NCCL, which divides inside the kernel, and only over more than one rank (NCCL's AVG
+  can be wrong at world size 1; torch's FSDP2 avoids it too); else SUM and one divide
+  after.
 """
 
 import math
@@ -24,6 +30,7 @@ import torch.distributed as dist
 
 from ._tensor_utils import chunk_rows
 from .api import AllGather, ReduceScatter
+from .mesh import backend_for
 
 # torch 2.13 renamed the single-tensor collectives and deprecated the old names; 2.11
 # has only the old ones. Same signature either way.
@@ -40,27 +47,53 @@ class AllGatherResult:
 
 
 @dataclass(frozen=True)
-class ReduceScatterPlan:
-    """How one group's gradients are reduce-scattered, decided per backward."""
+class ReductionPlan:
+    """How one group's gradients are reduced, decided per backward."""
 
     use_all_to_all: bool  # gloo: all-to-all then a local sum
-    average_in_collective: bool  # ReduceOp.AVG; else SUM, and the caller divides
+    average_in_reduce_scatter: bool  # the reduce-scatter uses ReduceOp.AVG; else SUM
+    average_in_all_reduce: bool = False  # HSDP: the replicate all-reduce uses AVG
     custom: ReduceScatter | None = None  # set_custom_reduce_scatter
 
     @staticmethod
     def choose(
-        group: dist.ProcessGroup, *, prefer_average: bool, custom: ReduceScatter | None
-    ) -> "ReduceScatterPlan":
+        shard_group: dist.ProcessGroup,
+        replicate_group: dist.ProcessGroup | None,
+        device: torch.device,
+        *,
+        prefer_average: bool,
+        custom: ReduceScatter | None,
+    ) -> "ReductionPlan":
+        """Args:
+        shard_group: the reduce-scatter's group; ``replicate_group`` HSDP's all-reduce's.
+        device: where the gradients are reduced; its backend decides.
+        prefer_average: let the collectives average, where they do that well.
+        custom: a user ``ReduceScatter``; it gets SUM, and FSDP divides afterwards.
+        """
         if custom is not None:
-            return ReduceScatterPlan(
-                use_all_to_all=False, average_in_collective=False, custom=custom
+            return ReductionPlan(
+                use_all_to_all=False, average_in_reduce_scatter=False, custom=custom
             )
-        backend = dist.get_backend(group)
-        if backend == "gloo":
-            return ReduceScatterPlan(use_all_to_all=True, average_in_collective=False)
-        return ReduceScatterPlan(
-            use_all_to_all=False, average_in_collective=prefer_average and backend == "nccl"
+        return ReductionPlan(
+            use_all_to_all=_is_backend(backend_for(shard_group, device), "ProcessGroupGloo"),
+            average_in_reduce_scatter=prefer_average and _averages_well(shard_group, device),
+            average_in_all_reduce=prefer_average and _averages_well(replicate_group, device),
         )
+
+
+def _averages_well(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """``ReduceOp.AVG`` on ``group``: NCCL only, and never over one rank."""
+    return (
+        group is not None
+        and group.size() > 1
+        and _is_backend(backend_for(group, device), "ProcessGroupNCCL")
+    )
+
+
+def _is_backend(backend: object | None, class_name: str) -> bool:
+    # A CPU-only torch build has no ProcessGroupNCCL class at all.
+    cls = getattr(dist, class_name, None)
+    return cls is not None and isinstance(backend, cls)
 
 
 @dataclass(frozen=True)
@@ -70,7 +103,7 @@ class ReduceScatterResult:
     input: torch.Tensor  # (W, shard_numel); referenced until the wait so it is not reused
     output: torch.Tensor  # (shard_numel,) or, for all-to-all, (W, shard_numel)
     work: dist.Work | None
-    plan: ReduceScatterPlan
+    plan: ReductionPlan
     input_nbytes: int  # the padded (W, shard_numel) input, for traces
 
 
@@ -116,7 +149,7 @@ def reduce_scatter(
     unsharded_grads: list[torch.Tensor],
     reduce_dtype: torch.dtype,
     group: dist.ProcessGroup,
-    plan: ReduceScatterPlan,
+    plan: ReductionPlan,
     async_op: bool,
 ) -> ReduceScatterResult:
     """Copy the gradients into one buffer (padding each to W equal chunks) and issue one
@@ -131,7 +164,7 @@ def reduce_scatter(
     device = unsharded_grads[0].device
     reduce_input = torch.empty((world_size, shard_numel), dtype=reduce_dtype, device=device)
     torch._chunk_cat(unsharded_grads, dim=0, num_chunks=world_size, out=reduce_input)
-    op = dist.ReduceOp.AVG if plan.average_in_collective else dist.ReduceOp.SUM
+    op = dist.ReduceOp.AVG if plan.average_in_reduce_scatter else dist.ReduceOp.SUM
     if plan.custom is not None:
         output = plan.custom.allocate((shard_numel,), dtype=reduce_dtype, device=device)
         work = plan.custom(output, reduce_input.view(-1), group, op, async_op=async_op)
@@ -140,7 +173,11 @@ def reduce_scatter(
         work = dist.all_to_all_single(output, reduce_input, group=group, async_op=async_op)
     else:
         output = torch.empty(shard_numel, dtype=reduce_dtype, device=device)
-        work = _reduce_scatter_single(output, reduce_input, op=op, group=group, async_op=async_op)
+        # 1-D, as NCCL's users pass it: backends that split the input into W chunks
+        # along dim 0 (torch's threaded group) would otherwise hand out (1, n) rows.
+        work = _reduce_scatter_single(
+            output, reduce_input.view(-1), op=op, group=group, async_op=async_op
+        )
     return ReduceScatterResult(
         input=reduce_input,
         output=output,
@@ -152,7 +189,7 @@ def reduce_scatter(
 
 def finish_reduce_scatter(result: ReduceScatterResult) -> torch.Tensor:
     """This rank's reduced chunk, (shard_numel,), once ``result.work`` is waited: summed,
-    or averaged if ``plan.average_in_collective``."""
+    or averaged if ``plan.average_in_reduce_scatter``."""
     if result.plan.use_all_to_all:
         # A fresh (shard_numel,) tensor, not a view of the (W, shard_numel) receive
         # buffer: the sharded grads are views of what this returns, and must not keep
@@ -163,7 +200,7 @@ def finish_reduce_scatter(result: ReduceScatterResult) -> torch.Tensor:
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool) -> None:
     """Sum, or with ``average`` average, ``tensor`` in place over ``group`` (HSDP's
-    replicate axis). ``average`` only where the plan chose AVG for its backend."""
+    replicate axis). ``average`` only where ``ReductionPlan`` chose AVG for it."""
     dist.all_reduce(tensor, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=group)
 
 

@@ -447,3 +447,29 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state.post_forward(self, original(self, *args, **kwargs))
 
     setattr(module, method_name, MethodType(wrapped, module))
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Share the communication context of several FSDP roots, e.g. the model chunks
+    of pipeline parallelism, as torch's ``share_comm_ctx`` does.
+
+    torch's FSDP2 shares its all-gather, reduce-scatter and all-reduce CUDA streams
+    between the roots, so memory does not fragment across per-root streams.
+    dtensor_fsdp issues every collective from the current stream and allocates no
+    streams of its own, so there is nothing to share: this only validates its argument.
+    Each root keeps its own ``CommContext``, which holds per-iteration scheduling state
+    (forward order, in-flight reduce-scatters) that must not mix between roots whose
+    forwards and backwards interleave.
+
+    Args:
+        modules: the FSDP roots.
+
+    Raises:
+        ValueError: an element is not an ``FSDPModule``.
+    """
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(
+                f"Expects list of FSDPModules but got {module}: share_comm_ctx takes modules "
+                "that fully_shard returned"
+            )

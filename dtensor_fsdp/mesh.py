@@ -68,14 +68,16 @@ class MeshInfo:
 
 
 def default_mesh() -> DeviceMesh:
-    """A 1-D mesh over the whole default process group, on the backend's natural device."""
+    """A 1-D mesh over the whole default process group: on the accelerator, as in torch,
+    if the group has a backend for it (``"cpu:gloo"`` has none for CUDA), else the CPU."""
     if not dist.is_initialized():
         raise ValueError(
             "fully_shard(mesh=None) needs an initialized default process group: call "
             "torch.distributed.init_process_group() first (torchrun sets up its environment)"
         )
-    backend = dist.get_backend()
-    device_type = "cpu" if backend == "gloo" else _accelerator_type()
+    device_type = _accelerator_type()
+    if device_type != "cpu" and backend_for(dist.group.WORLD, torch.device(device_type)) is None:
+        device_type = "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
@@ -89,10 +91,26 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
         # HSDP: replicate over axis 0 (across nodes), shard over axis 1 (within a node).
         return MeshInfo(mesh=mesh, shard_axis=1, replicate_axis=0)
     raise ValueError(
-        f"fully_shard got a {mesh.ndim}-D mesh {mesh}: pass a 1-D mesh (FSDP) or a 2-D "
-        "(replicate, shard) mesh (HSDP); for tensor parallelism pass the data-parallel "
-        "sub-mesh, e.g. mesh['dp'] or mesh['replicate', 'shard']"
+        f"fully_shard expects a 1D or 2D DeviceMesh but got a {mesh.ndim}-D mesh {mesh}: "
+        "pass a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP); for tensor "
+        "parallelism pass the data-parallel sub-mesh, e.g. mesh['dp'] or "
+        "mesh['replicate', 'shard']"
     )
+
+
+def same_process_groups(
+    mesh_info: MeshInfo, mesh: object, shard_axis: object, replicate_axis: object
+) -> bool | None:
+    """Whether ``mesh``'s ``shard_axis`` (and ``replicate_axis``, None for none) are the
+    process groups ``mesh_info`` shards (and replicates) over, as torch's FSDP2 groups
+    parameters; None if the arguments do not describe a data-parallel mesh."""
+    if not isinstance(mesh, DeviceMesh) or not isinstance(shard_axis, int):
+        return None
+    if replicate_axis is not None and not isinstance(replicate_axis, int):
+        return None
+    replicate = None if replicate_axis is None else mesh.get_group(replicate_axis)
+    ours = mesh_info.replicate_group if mesh_info.is_hsdp else None
+    return mesh.get_group(shard_axis) is mesh_info.shard_group and replicate is ours
 
 
 @dataclass(frozen=True)
@@ -100,12 +118,13 @@ class SpmdLayout:
     """Where one parameter's DTensors live.
 
     ``mesh``/``placements`` describe the sharded param: the data-parallel mesh for a
-    plain parameter; for a tensor-parallel one (a DTensor on a TP mesh), the root mesh
-    of which both the data-parallel and the TP mesh are sub-meshes, with FSDP's shard
-    placement in front of the TP placements. ``unsharded_mesh``/``unsharded_placements``
-    describe the unsharded param, which for a DTensor param is again the original
-    DTensor; ``unsharded_dp_axes`` are its data-parallel axes (``dp_mesh_dims`` only),
-    on which gradients are left as they are for the reduce-scatter to combine.
+    plain parameter; for a tensor-parallel one (a DTensor on a TP mesh), the data
+    parallel and the TP mesh concatenated (their axes side by side, as torch's FSDP2
+    builds it), with FSDP's shard placement in front of the TP placements.
+    ``unsharded_mesh``/``unsharded_placements`` describe the unsharded param, which for
+    a DTensor param is again the original DTensor; ``unsharded_dp_axes`` are its data
+    parallel axes (``dp_mesh_dims`` only), on which gradients are left as they are for
+    the reduce-scatter to combine.
     """
 
     mesh: DeviceMesh
@@ -200,9 +219,57 @@ def _spmd_dims_layout(
     )
 
 
+class MeshMismatchError(ValueError, RuntimeError):
+    """A TP param's mesh cannot be combined with the data-parallel mesh. A ValueError
+    (a user mistake), and a RuntimeError because that is what torch's fully_shard
+    raises for it (``DeviceMesh._concatenate``)."""
+
+
+def _concatenate(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
+    """The mesh with ``dp_mesh``'s axes, then ``tp_mesh``'s, as torch's FSDP2 joins them.
+
+    Both must be views of one world (same ranks, in the same order) on disjoint axes.
+    """
+    # Private API, as in torch's own _fsdp_param.py; torch 2.11-2.14 all have it.
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is None:
+        return _root_with_tp_part(dp_mesh, tp_mesh, fqn)
+    try:
+        return concatenate([dp_mesh, tp_mesh])
+    except RuntimeError as error:
+        raise MeshMismatchError(
+            f"parameter '{fqn}' is a DTensor on {tp_mesh}, which cannot be combined with the "
+            f"data-parallel mesh {dp_mesh} ({error}). Build both from one mesh: e.g. "
+            "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')) and pass "
+            "mesh['tp'] to parallelize_module and mesh['dp'] to fully_shard, or unflatten "
+            "one world mesh into views whose data-parallel and TP axes do not overlap"
+        ) from None
+
+
+def _root_with_tp_part(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
+    """Without ``DeviceMesh._concatenate``: the data-parallel mesh's root, if its axes
+    are the data-parallel ones then ``tp_mesh``'s."""
+    root = dp_mesh._get_root_mesh()
+    tp_names = tuple(tp_mesh.mesh_dim_names or ())
+    expected_names = tuple(dp_mesh.mesh_dim_names or ()) + tp_names
+    if root.mesh_dim_names != expected_names or root[tp_names] != tp_mesh:
+        raise MeshMismatchError(
+            f"parameter '{fqn}' is a DTensor on {tp_mesh}, which is not the tensor-parallel "
+            f"part of the data-parallel mesh's root mesh (expected dims {expected_names}). "
+            "Build one mesh, e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', "
+            "'tp')), parallelize the model on mesh['tp'] and pass mesh['dp'] to fully_shard"
+        )
+    return root
+
+
 def spmd_layout(mesh_info: MeshInfo, param: torch.Tensor, fqn: str, shard_dim: int) -> SpmdLayout:
     """The layout of ``param`` under FSDP on ``mesh_info``, sharded on ``shard_dim`` (of
-    the TP-local tensor for a TP param), or a ValueError naming ``fqn``."""
+    the TP-local tensor for a TP param), or a ValueError naming ``fqn``.
+
+    A TP param's mesh may be any mesh that torch can concatenate with the data-parallel
+    one: a sub-mesh of the same root (``init_device_mesh((dp, tp))``), or of another
+    view of the same world (``world._unflatten``, as torchtitan builds them).
+    """
     if mesh_info.spmd_mesh is not None:
         return _spmd_dims_layout(mesh_info, param, fqn, shard_dim)
     dp_placements = (*mesh_info.placements[:-1], Shard(shard_dim))
@@ -210,27 +277,16 @@ def spmd_layout(mesh_info: MeshInfo, param: torch.Tensor, fqn: str, shard_dim: i
         return SpmdLayout(mesh_info.mesh, dp_placements)
     tp_mesh, unsharded_placements = param.device_mesh, tuple(param.placements)
     dp_mesh = mesh_info.mesh
-    dp_names = set(dp_mesh.mesh_dim_names or ())
-    if tp_mesh == dp_mesh or dp_names & set(tp_mesh.mesh_dim_names or ()):
-        raise ValueError(
-            f"parameter '{fqn}' is already a DTensor on the data-parallel mesh {dp_mesh}: an "
-            "earlier fully_shard call sharded it. A parameter shared between modules must be "
-            "in one group: call fully_shard on their common ancestor, or "
-            "fully_shard([module_a, module_b])"
+    if tp_mesh == dp_mesh or set(dp_mesh.mesh_dim_names or ()) & set(tp_mesh.mesh_dim_names or ()):
+        raise MeshMismatchError(
+            f"parameter '{fqn}' is already a DTensor on the data-parallel mesh {dp_mesh} "
+            "(Cannot concatenate overlapping meshes). Either an earlier fully_shard call "
+            "sharded it: a parameter shared between modules must be in one group, so call "
+            "fully_shard on their common ancestor, or fully_shard([module_a, module_b]); or "
+            "the mesh passed to fully_shard is its tensor-parallel one: pass the data "
+            "parallel mesh"
         )
-    # torch has no public "parent mesh" accessor; _get_root_mesh is on 2.11-2.14. Take
-    # the root from the data-parallel mesh and compare the TP part by value: DTensor's
-    # caches hand back equal meshes as other objects, whose own root may be another one.
-    root = dp_mesh._get_root_mesh()
-    tp_names = tuple(tp_mesh.mesh_dim_names or ())
-    expected_names = tuple(dp_mesh.mesh_dim_names or ()) + tp_names
-    if root.mesh_dim_names != expected_names or root[tp_names] != tp_mesh:
-        raise ValueError(
-            f"parameter '{fqn}' is a DTensor on {tp_mesh}, which is not the tensor-parallel "
-            f"part of the data-parallel mesh's root mesh (expected dims {expected_names}). "
-            "Build one mesh, e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', "
-            "'tp')), parallelize the model on mesh['tp'] and pass mesh['dp'] to fully_shard"
-        )
+    mesh = _concatenate(dp_mesh, tp_mesh, fqn)
     if not all(isinstance(p, (Shard, Replicate)) for p in unsharded_placements):
         raise ValueError(
             f"parameter '{fqn}' has placements {unsharded_placements}; fully_shard composes with "
@@ -246,7 +302,7 @@ def spmd_layout(mesh_info: MeshInfo, param: torch.Tensor, fqn: str, shard_dim: i
     if split_factor > 1:
         dp_placements = (*dp_placements[:-1], _StridedShard(shard_dim, split_factor=split_factor))
     placements = (*dp_placements, *unsharded_placements)
-    return SpmdLayout(root, placements, tp_mesh, unsharded_placements)
+    return SpmdLayout(mesh, placements, tp_mesh, unsharded_placements)
 
 
 def validate_post_forward_size(mesh_info: MeshInfo, size: int) -> None:
@@ -281,6 +337,17 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     if device_module is None or not hasattr(device_module, "current_device"):
         raise ValueError(f"mesh device type {mesh.device_type!r} has no torch device module")
     return torch.device(mesh.device_type, device_module.current_device())
+
+
+def backend_for(group: dist.ProcessGroup, device: torch.device) -> object | None:
+    """The backend object (e.g. ``ProcessGroupGloo``) that runs ``group``'s collectives
+    on ``device``'s tensors; ``None`` where the group has none for it or cannot say
+    (torch's threaded and fake test groups). ``dist.get_backend`` names the group, not
+    the device's backend: ``"undefined"`` or ``"cuda:nccl,cpu:gloo"`` are common."""
+    try:
+        return group._get_backend(device)
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return None
 
 
 def _accelerator_type() -> str:

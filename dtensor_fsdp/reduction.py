@@ -15,8 +15,8 @@ import torch
 
 from .api import ReduceScatter
 from .collectives import (
-    ReduceScatterPlan,
     ReduceScatterResult,
+    ReductionPlan,
     all_reduce,
     finish_reduce_scatter,
     reduce_scatter,
@@ -71,8 +71,10 @@ class GradientReduction:
         if not with_grad:
             return
         reduce_dtype = with_grad[0].reduce_dtype
-        plan = ReduceScatterPlan.choose(
+        plan = ReductionPlan.choose(
             self.mesh_info.shard_group,
+            self.mesh_info.replicate_group if self.mesh_info.is_hsdp else None,
+            self.mesh_info.device,
             # fp16 could overflow while the collective sums: it pre-divides instead.
             prefer_average=self.gradient_divide_factor is None
             and not self.force_sum_reduction
@@ -95,18 +97,17 @@ class GradientReduction:
             lambda: result.work.wait() if result.work is not None else None,
         )
 
-    def _divisors(self, plan: ReduceScatterPlan, reduce_dtype: torch.dtype) -> tuple[float, float]:
+    def _divisors(self, plan: ReductionPlan, reduce_dtype: torch.dtype) -> tuple[float, float]:
         """(before, after) the reduction: the gradient average over every data-parallel
-        rank, or ``set_gradient_divide_factor``'s factor, unless the collective averages.
-        Other dtypes than fp32/bf16 (fp16's range is small) split it around the sum, about
-        sqrt each side, so the sum cannot overflow: torch's power-of-two split, so the
-        rounding is torch's too."""
-        if plan.average_in_collective:
-            return 1.0, 1.0
+        rank, or ``set_gradient_divide_factor``'s factor, less the axes whose collective
+        averages. Other dtypes than fp32/bf16 (fp16's range is small) split it around the
+        sum, about sqrt each side, so the sum cannot overflow: torch's power-of-two split,
+        so the rounding is torch's too."""
         divisor = self.gradient_divide_factor or float(
-            self.mesh_info.shard_size * self.mesh_info.replicate_size
+            (1 if plan.average_in_reduce_scatter else self.mesh_info.shard_size)
+            * (1 if plan.average_in_all_reduce else self.mesh_info.replicate_size)
         )
-        if reduce_dtype in _NO_OVERFLOW_RISK:
+        if divisor == 1.0 or reduce_dtype in _NO_OVERFLOW_RISK:
             return 1.0, divisor
         pre_divisor = 1
         while divisor % pre_divisor == 0 and divisor / pre_divisor > pre_divisor:
@@ -135,7 +136,7 @@ class GradientReduction:
                 return
             params, reduced = self._all_reduce_over_replicas(
                 dict(zip(with_grad, self._split(reduced, with_grad), strict=True)),
-                average=result.plan.average_in_collective,
+                average=result.plan.average_in_all_reduce,
             )
         if post_divisor != 1.0:
             reduced.div_(post_divisor)

@@ -19,6 +19,7 @@ from .mesh import (
     MeshInfo,
     default_mesh,
     mesh_info_for,
+    same_process_groups,
     spmd_layout,
     spmd_mesh_info,
     validate_post_forward_size,
@@ -45,7 +46,7 @@ def plan_sharding(
     *,
     mesh: DeviceMesh | None,
     reshard_after_forward: bool | int | None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
     ignored_params: set[nn.Parameter] | None,
@@ -179,7 +180,7 @@ def _collect_params(
     modules: tuple[nn.Module, ...],
     ignored: set[nn.Parameter],
     mesh_info: MeshInfo,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
 ) -> list[ParamToShard]:
     """Each parameter this call manages, once, with every slot it is registered in."""
     found: dict[int, ParamToShard] = {}
@@ -202,7 +203,7 @@ def _param_to_shard(
     fqn: str,
     param: nn.Parameter,
     mesh_info: MeshInfo,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
 ) -> ParamToShard:
     sharded_as = getattr(param, _REPLACED_ATTR, None)
     if sharded_as is not None:
@@ -216,15 +217,29 @@ def _param_to_shard(
     data = param.to_local() if isinstance(param, DTensor) else param
     if data.dim() == 0:
         raise ValueError(
-            f"fully_shard({root_name}): parameter '{fqn}' is 0-dimensional and cannot be "
-            "sharded on dim 0; pass it in ignored_params"
+            f"fully_shard({root_name}): fully_shard doesn't support scalar parameters: "
+            f"parameter '{fqn}' is 0-dimensional and cannot be sharded. Pass it in "
+            "ignored_params, or make it a 1-D tensor of one element"
+        )
+    if not (param.is_contiguous() and data.is_contiguous()):
+        raise NotImplementedError(
+            f"fully_shard({root_name}): FSDP does not support non-contiguous parameters yet: "
+            f"parameter '{fqn}' has shape {tuple(param.shape)} and stride {param.stride()}. "
+            "Make it contiguous before fully_shard, e.g. "
+            "module.weight = nn.Parameter(module.weight.contiguous())"
         )
     shard_dim = _shard_dim(root_name, fqn, data, mesh_info, shard_placement_fn, param)
     try:
         layout = spmd_layout(mesh_info, param, fqn, shard_dim)
     except ValueError as error:
-        raise ValueError(f"fully_shard({root_name}): {error}") from None
+        # The same type: MeshMismatchError is also the RuntimeError torch raises.
+        raise type(error)(f"fully_shard({root_name}): {error}") from None
     return ParamToShard(fqn, param, [], layout, shard_dim)
+
+
+class ShardDimError(ValueError, AssertionError):
+    """``shard_placement_fn`` chose a dim the parameter does not have. A ValueError (a
+    user mistake), and an AssertionError because torch's fully_shard raises that."""
 
 
 def _shard_dim(
@@ -232,32 +247,65 @@ def _shard_dim(
     fqn: str,
     data: torch.Tensor,
     mesh_info: MeshInfo,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
     param: nn.Parameter,
 ) -> int:
     """The dim ``shard_placement_fn`` picks for ``param`` (0 by default), validated."""
-    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    where = f"fully_shard({root_name}): parameter '{fqn}'"
+    result = shard_placement_fn(param) if shard_placement_fn is not None else None
+    placement = _placement_on_group_mesh(where, result, mesh_info)
     if placement is None:
         return 0
-    if type(placement) is not Shard:
-        raise TypeError(
-            f"fully_shard({root_name}): shard_placement_fn returned {placement!r} for parameter "
-            f"'{fqn}'; return a Shard(dim) or None (a custom mesh per parameter is not supported)"
-        )
     dim = placement.dim + data.dim() if placement.dim < 0 else placement.dim
     if not 0 <= dim < data.dim():
-        raise ValueError(
-            f"fully_shard({root_name}): shard_placement_fn returned Shard({placement.dim}) for "
-            f"parameter '{fqn}' of {data.dim()} dims"
+        raise ShardDimError(
+            f"{where}: Shard dim {placement.dim} is invalid for {data.dim()}D tensor "
+            f"{tuple(data.shape)}: shard_placement_fn must return Shard(dim) with "
+            f"-{data.dim()} <= dim < {data.dim()}, or None"
         )
     size, world_size = data.shape[dim], mesh_info.shard_size
     if dim != 0 and size % world_size != 0:
-        raise ValueError(
-            f"fully_shard({root_name}): parameter '{fqn}' has size {size} on dim {dim}, which "
-            f"the shard world size {world_size} does not divide; Shard(dim != 0) needs an even "
-            "split. Return None from shard_placement_fn for it (Shard(0), padded if uneven)"
+        raise NotImplementedError(
+            f"{where}: FSDP does not support uneven sharding on dim {dim}: size {size} on "
+            f"dim {dim}, which the shard world size {world_size} does not divide; "
+            "Shard(dim != 0) needs an even split. Return None from shard_placement_fn for "
+            "it (Shard(0), padded if uneven)"
         )
     return dim
+
+
+def _placement_on_group_mesh(where: str, result: Any, mesh_info: MeshInfo) -> Shard | None:
+    """The ``Shard`` (or None) in a ``shard_placement_fn`` result: a ``Shard``, None, or
+    torch's ``ShardPlacementResult`` (duck-typed: ``placement`` and ``mesh_info``) on
+    this group's mesh. One fully_shard call is one group on one mesh (torch makes one
+    group per process group), so a parameter on another mesh needs its own call."""
+    if hasattr(result, "placement") and hasattr(result, "mesh_info"):
+        their_mesh = getattr(result.mesh_info, "mesh", None)
+        same = same_process_groups(
+            mesh_info,
+            their_mesh,
+            getattr(result.mesh_info, "shard_mesh_dim", None),
+            getattr(result.mesh_info, "replicate_mesh_dim", None),
+        )
+        if same is None:
+            raise ValueError(
+                f"{where}: Invalid shard_placement_fn result: {result!r}; its mesh_info "
+                "needs a DeviceMesh `mesh` and an int `shard_mesh_dim` (an FSDPMeshInfo)"
+            )
+        if not same:
+            raise NotImplementedError(
+                f"{where}: shard_placement_fn puts it on {their_mesh}, not on the mesh passed "
+                f"to fully_shard ({mesh_info.mesh}); dtensor_fsdp shards one fully_shard "
+                "call's parameters on one mesh. Shard the module that holds it in a separate "
+                "fully_shard call first, with that mesh: fully_shard(submodule, mesh=...)"
+            )
+        result = result.placement
+    if result is None or type(result) is Shard:
+        return result
+    raise ValueError(
+        f"{where}: Invalid shard_placement_fn result: {result!r}. Return a Shard(dim), None "
+        "(Shard(0)) or a ShardPlacementResult on the mesh passed to fully_shard"
+    )
 
 
 def _validate_reduce_dtypes(params: list[ParamToShard], mp_policy: MixedPrecisionPolicy) -> None:

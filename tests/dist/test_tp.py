@@ -1,13 +1,14 @@
-"""FSDP + tensor parallelism on 4 gloo ranks: a 2 x 2 ``(dp, tp)`` mesh, and HSDP + TP
+"""FSDP + tensor parallelism on 4 gloo ranks: a 2 x 2 ``(dp, tp)`` mesh, TP and FSDP on
+two ``_unflatten`` views of one world mesh (as torchtitan builds them), and HSDP + TP
 on a 2 x 1 x 2 ``(replicate, shard, tp)`` mesh.
 
 The Llama-style model is parallelized with ``apply_tensor_parallel`` on ``mesh["tp"]``
 (column-wise wq/wk/wv/w1/w3 and output head, row-wise wo/w2 and embedding, sequence
 parallel norms), then each block and the root go through ``fully_shard`` with the data
-parallel sub-mesh. Parameters become DTensors on the root mesh with FSDP's placement in
-front of the TP one; where both shard dim 0 (column-wise weights), FSDP's is a
-``_StridedShard``, as in torch. Both TP ranks of one data-parallel rank see the same
-batch slice.
+parallel sub-mesh. Parameters become DTensors on the two meshes concatenated (``(dp,
+tp)``, as torch builds it) with FSDP's placement in front of the TP one; where both
+shard dim 0 (column-wise weights), FSDP's is a ``_StridedShard``, as in torch. Both
+TP ranks of one data-parallel rank see the same batch slice.
 
 References: a single-process model on the global batch (losses, clipped grad norms,
 ``full_tensor()`` grads and params), and torch's ``fully_shard`` on the same meshes
@@ -96,12 +97,12 @@ def _train(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh, dp_rank: int) -> list[dict]
     return train_against_reference(model, base, batches, _local(dp_rank), cross_entropy_loss)
 
 
-def _torch_parity(mesh: DeviceMesh) -> list[dict]:
+def _torch_parity(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh, dp_rank: int) -> list[dict]:
     base = _build()
-    ours = _parallelize(copy.deepcopy(base), mesh["tp"], mesh["dp"])
-    theirs = _parallelize(copy.deepcopy(base), mesh["tp"], mesh["dp"], shard=torch_fully_shard)
+    ours = _parallelize(copy.deepcopy(base), tp_mesh, dp_mesh)
+    theirs = _parallelize(copy.deepcopy(base), tp_mesh, dp_mesh, shard=torch_fully_shard)
     opts = make_optimizer(ours.parameters()), make_optimizer(theirs.parameters())
-    local = _local(mesh.get_local_rank("dp"))
+    local = _local(dp_rank)
     records = []
     for step in range(2):
         x, y = _batch(step)
@@ -118,6 +119,24 @@ def _torch_parity(mesh: DeviceMesh) -> list[dict]:
         rec["params"] = local_pairs(ours, theirs, grads=False)
         records.append(rec)
     return records
+
+
+def _unflattened_views() -> dict:
+    """torchtitan's meshes: TP on one ``_unflatten`` view of a 1-D world mesh, FSDP on
+    another view of it (torch concatenates them; they share no root but the world)."""
+    world = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("world",))
+    data = world._unflatten(0, (DP, TP), ("batch", "tp"))
+    dense = world._unflatten(0, (DP, TP), ("fsdp", "tp"))
+    base = _build()
+    layouts = []
+    for shard in (fully_shard, torch_fully_shard):
+        model = _parallelize(copy.deepcopy(base), data["tp"], dense["fsdp"], shard=shard)
+        meshes = {name: p.device_mesh for name, p in model.named_parameters()}
+        layouts.append((placements(model), meshes))
+    return {
+        "layouts": layouts,
+        "steps": _torch_parity(data["tp"], dense["fsdp"], dense.get_local_rank("fsdp")),
+    }
 
 
 def _hsdp_tp(mesh: DeviceMesh) -> dict:
@@ -151,7 +170,10 @@ def _worker(rank: int, world_size: int) -> dict:
         {
             "init": lambda: _init(mesh),
             "train": lambda: _train(mesh["tp"], mesh["dp"], mesh.get_local_rank("dp")),
-            "torch_parity": lambda: _torch_parity(mesh),
+            "torch_parity": lambda: _torch_parity(
+                mesh["tp"], mesh["dp"], mesh.get_local_rank("dp")
+            ),
+            "unflattened_views": _unflattened_views,
         }
     )
 
@@ -213,14 +235,30 @@ def test_training_matches_single_process(run):
     assert_train_parity(scenario_records(run, "train"), STEPS)
 
 
-def test_matches_torch_fully_shard_on_the_same_meshes(run):
-    for rank, records in enumerate(scenario_records(run, "torch_parity")):
+def _assert_torch_parity(ranks: list[list[dict]]) -> None:
+    for rank, records in enumerate(ranks):
         for step, rec in enumerate(records):
             where = f"rank {rank} step {step}"
             ours, theirs = rec["loss"]
             assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-5), where
             assert_pairs_close(rec["grads"], f"{where} local grad vs torch")
             assert_pairs_close(rec["params"], f"{where} local shard vs torch")
+
+
+def test_matches_torch_fully_shard_on_the_same_meshes(run):
+    _assert_torch_parity(scenario_records(run, "torch_parity"))
+
+
+def test_tp_and_dp_meshes_from_unflattened_views_of_one_world(run):
+    records = scenario_records(run, "unflattened_views")
+    for rank, rec in enumerate(records):
+        (ours, our_meshes), (theirs, their_meshes) = rec["layouts"]
+        assert ours == theirs, f"rank {rank}"
+        assert our_meshes == their_meshes, f"rank {rank}"
+        for name, (placement, _) in ours.items():
+            assert placement == _expected_placements(name), f"rank {rank} {name}: {placement}"
+            assert our_meshes[name].mesh_dim_names == ("fsdp", "tp"), f"rank {rank} {name}"
+    _assert_torch_parity([rec["steps"] for rec in records])
 
 
 def test_hsdp_with_tp_matches_single_process(hsdp_run):

@@ -8,11 +8,20 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
+from torch.distributed.fsdp._fully_shard._fsdp_common import (
+    FSDPMeshInfo,
+    HSDPMeshInfo,
+    ShardPlacementResult,
+)
+from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_fsdp import (
     DataParallelMeshDims,
     FSDPModule,
     fully_shard,
+    share_comm_ctx,
 )
 from tests._harness import fake_mesh
 
@@ -108,7 +117,8 @@ def test_zero_dim_parameter_points_to_ignored_params() -> None:
     with fake_mesh(2) as mesh:
         _assert_rejected(
             model, lambda: fully_shard(model, mesh=mesh), ValueError,
-            "'temperature' is 0-dimensional.*ignored_params",
+            "doesn't support scalar parameters: parameter 'temperature' is 0-dimensional.*"
+            "ignored_params",
         )
         fully_shard(model, mesh=mesh, ignored_params={model.temperature})
         assert type(model.temperature) is nn.Parameter and model.temperature.dim() == 0
@@ -192,3 +202,197 @@ def test_dp_mesh_dims_needs_dtensor_params_on_the_full_mesh() -> None:
             lambda: fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=("dp", "tp"))),
             NotImplementedError, "flattening several mesh axes",
         )
+
+
+# Same misuse, same exception as torch's fully_shard #
+#
+# Each case builds a model and fully_shard's kwargs on a fake group, runs torch's
+# fully_shard and ours on separate copies, and checks that ours raises torch's type (or
+# a subclass) with torch's key phrase in the message, and leaves the module untouched.
+# The phrase is asserted in torch's message too, so a torch that words it differently
+# shows up here rather than as a silently weaker test.
+
+Case = Callable[[DeviceMesh], tuple[Callable[[], nn.Module], dict[str, Any]]]
+
+
+def _scalar_parameter(mesh: DeviceMesh):
+    def build() -> nn.Module:
+        model = _mlp()
+        model.temperature = nn.Parameter(torch.tensor(1.0))
+        return model
+
+    return build, {"mesh": mesh}
+
+
+def _non_contiguous_parameter(mesh: DeviceMesh):
+    def build() -> nn.Module:
+        model = _mlp()
+        model[0].weight = nn.Parameter(torch.randn(4, 6).t())  # (6, 4), strides (1, 6)
+        return model
+
+    return build, {"mesh": mesh}
+
+
+def _three_dimensional_mesh(mesh: DeviceMesh):
+    return _mlp, {"mesh": DeviceMesh("cpu", torch.arange(8).view(2, 2, 2))}
+
+
+def _placement_fn(result: Callable[[nn.Parameter], Any], build=_mlp) -> Case:
+    return lambda mesh: (build, {"mesh": mesh, "shard_placement_fn": result})
+
+
+def _tp_mesh_overlapping_the_dp_mesh(mesh: DeviceMesh):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    dp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["dp"]
+    # Transposed: its "tp" groups are ranks {0, 2} and {1, 3}, which is dp_mesh's axis.
+    tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))["tp"]
+
+    def build() -> nn.Module:
+        return parallelize_module(_mlp(), tp_mesh, {"0": ColwiseParallel()})
+
+    return build, {"mesh": dp_mesh}
+
+
+MISUSES: dict[str, tuple[int, Case, type, str]] = {
+    # name: (world size, case, torch's exception type, torch's key phrase)
+    "scalar_parameter": (
+        2, _scalar_parameter, ValueError, "fully_shard doesn't support scalar parameters"
+    ),
+    "non_contiguous_parameter": (
+        2, _non_contiguous_parameter, NotImplementedError,
+        "FSDP does not support non-contiguous parameters yet",
+    ),
+    "three_dimensional_mesh": (
+        8, _three_dimensional_mesh, ValueError, "fully_shard expects a 1D or 2D DeviceMesh"
+    ),
+    "placement_fn_returns_replicate": (
+        2, _placement_fn(lambda p: Replicate()), ValueError, "Invalid shard_placement_fn result"
+    ),
+    "placement_fn_returns_an_int": (
+        2, _placement_fn(lambda p: 1), ValueError, "Invalid shard_placement_fn result"
+    ),
+    "placement_fn_dim_out_of_range": (
+        2, _placement_fn(lambda p: Shard(2)), AssertionError, "Shard dim 2 is invalid for 2D tensor"
+    ),
+    # torch normalizes -3 to -1 and fails later, in DTensorSpec ("Shard dim -1 in
+    # placements ... must be normalized"); what both messages share is "Shard dim".
+    "placement_fn_negative_dim_out_of_range": (
+        2, _placement_fn(lambda p: Shard(-3)), AssertionError, "Shard dim"
+    ),
+    "placement_fn_uneven_dim_1": (
+        2,
+        _placement_fn(lambda p: Shard(1) if p.dim() == 2 else None, lambda: nn.Linear(3, 4)),
+        NotImplementedError,
+        "FSDP does not support uneven sharding on dim 1",
+    ),
+    "tp_mesh_overlapping_the_dp_mesh": (
+        4, _tp_mesh_overlapping_the_dp_mesh, RuntimeError, "Cannot concatenate overlapping meshes"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MISUSES))
+def test_misuse_raises_torchs_exception_and_key_phrase(name: str) -> None:
+    world_size, case, torch_error, phrase = MISUSES[name]
+    with fake_mesh(world_size) as mesh:
+        build, kwargs = case(mesh)
+        with pytest.raises(Exception) as theirs:
+            torch_fully_shard(build(), **kwargs)
+        assert type(theirs.value) is torch_error and phrase in str(theirs.value), theirs.value
+        model = build()
+        before = _snapshot(model)
+        with pytest.raises(torch_error) as ours:
+            fully_shard(model, **kwargs)
+        assert phrase in str(ours.value)
+        assert _snapshot(model) == before
+
+
+# shard_placement_fn returning torch's ShardPlacementResult #
+
+
+def _one_mesh_info(mesh: DeviceMesh) -> Any:
+    """torch's mesh info for ``mesh``, as its users build it (FSDP or HSDP)."""
+    if mesh.ndim == 1:
+        return FSDPMeshInfo(mesh, shard_mesh_dim=0)
+    return HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+
+
+def _layout(model: nn.Module) -> dict[str, tuple]:
+    return {
+        name: (p.device_mesh, tuple(p.placements), tuple(p.to_local().shape))
+        for name, p in model.named_parameters()
+    }
+
+
+@pytest.mark.parametrize("shape", [(4,), (2, 2)], ids=["fsdp", "hsdp"])
+def test_shard_placement_result_on_the_groups_mesh_matches_torch(shape: tuple) -> None:
+    with fake_mesh(4):
+        names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+        mesh = DeviceMesh("cpu", torch.arange(4).view(shape), mesh_dim_names=names)
+        info = _one_mesh_info(mesh)  # one object for every parameter, as torch requires
+
+        def placement(param: nn.Parameter) -> Any:
+            return ShardPlacementResult(Shard(1) if param.dim() == 2 else None, info)
+
+        layouts = []
+        for impl in (fully_shard, torch_fully_shard):
+            model = nn.Linear(8, 6)
+            impl(model, mesh=mesh, shard_placement_fn=placement)
+            layouts.append(_layout(model))
+    assert layouts[0] == layouts[1]
+    assert layouts[0]["weight"][1][-1] == Shard(1)
+
+
+def test_shard_placement_result_on_another_mesh_needs_its_own_call() -> None:
+    with fake_mesh(4):
+        mesh = DeviceMesh("cpu", torch.arange(4))
+        expert_mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("ep", "dp"))
+        expert_info = FSDPMeshInfo(expert_mesh["dp"], shard_mesh_dim=0)
+
+        def placement(param: nn.Parameter) -> Any:
+            return ShardPlacementResult(Shard(0), expert_info) if param.dim() == 2 else None
+
+        # torch makes a second parameter group, on the other mesh, within one call.
+        theirs = _mlp()
+        torch_fully_shard(theirs, mesh=mesh, shard_placement_fn=placement)
+        assert theirs[0].weight.device_mesh == expert_mesh["dp"]
+        assert theirs[0].bias.device_mesh == mesh
+        model = _mlp()
+        _assert_rejected(
+            model, lambda: fully_shard(model, mesh=mesh, shard_placement_fn=placement),
+            NotImplementedError,
+            "parameter '0.weight': shard_placement_fn puts it on .*dp=2.*separate fully_shard call",
+        )
+        # What the message asks for: the module on the other mesh first, then the rest.
+        fully_shard(model[0], mesh=expert_mesh["dp"])
+        fully_shard(model, mesh=mesh)
+        assert model[0].weight.device_mesh == expert_mesh["dp"]
+        assert model[2].weight.device_mesh == mesh
+
+
+def test_shard_placement_result_without_a_usable_mesh_info() -> None:
+    model = _mlp()
+    bad = ShardPlacementResult(Shard(0), mesh_info=None)
+    with fake_mesh(2) as mesh:
+        _assert_rejected(
+            model, lambda: fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: bad),
+            ValueError, "'0.weight': Invalid shard_placement_fn result.*FSDPMeshInfo",
+        )
+
+
+# share_comm_ctx #
+
+
+@pytest.mark.parametrize("which", ["plain_module", "string"])
+def test_share_comm_ctx_refuses_what_is_not_an_fsdp_module(which: str) -> None:
+    with fake_mesh(2) as mesh:
+        impls = ((fully_shard, share_comm_ctx), (torch_fully_shard, torch_share_comm_ctx))
+        for impl, share in impls:
+            root = impl(_mlp(), mesh=mesh)
+            bad = nn.Linear(2, 2) if which == "plain_module" else "model"
+            share([])  # nothing to share: fine in both
+            share([root])
+            with pytest.raises(ValueError, match="Expects list of FSDPModules"):
+                share([root, bad])

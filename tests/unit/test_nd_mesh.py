@@ -83,6 +83,44 @@ def test_fsdp_tp_placements_match_torch(rank: int) -> None:
     assert ours["down.weight"] == ((Shard(0), Shard(1)), (4, 6), ("dp", "tp"))
 
 
+def _views(kind: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """(TP mesh, data-parallel mesh) over 4 ranks, built the ways torch accepts."""
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    if kind == "unflattened_views":  # torchtitan: one world, a view per purpose
+        data = world._unflatten(0, (2, 2), ("batch", "tp"))
+        dense = world._unflatten(0, (2, 2), ("fsdp", "tp"))
+        return data["tp"], dense["fsdp"]
+    if kind == "tp_outer":  # TP over ranks {0, 2}, {1, 3}; FSDP over {0, 1}, {2, 3}
+        view = world._unflatten(0, (2, 2), ("tp", "fsdp"))
+        return view["tp"], view["fsdp"]
+    if kind == "separate_roots":  # two init_device_mesh calls over the same ranks
+        other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        return other["tp"], world._unflatten(0, (2, 2), ("fsdp", "tp"))["fsdp"]
+    assert kind == "hsdp_views"
+    data = world._unflatten(0, (2, 2), ("batch", "tp"))
+    dense = world._unflatten(0, (2, 1, 2), ("replicate", "shard", "tp"))
+    return data["tp"], dense["replicate", "shard"]
+
+
+@pytest.mark.parametrize("kind", ["unflattened_views", "tp_outer", "separate_roots", "hsdp_views"])
+@pytest.mark.parametrize("rank", [0, 3])
+def test_fsdp_tp_on_views_of_one_world_matches_torch(kind: str, rank: int) -> None:
+    with fake_mesh(4, rank):
+        tp_mesh, dp_mesh = _views(kind)
+        results = []
+        for impl in (fully_shard, torch_fully_shard):
+            model = _tp(TwoLinear(), tp_mesh)
+            impl(model, mesh=dp_mesh)
+            meshes = {name: p.device_mesh for name, p in model.named_parameters()}
+            results.append((_layout(model), meshes))
+    (ours, our_meshes), (theirs, their_meshes) = results
+    assert ours == theirs
+    assert our_meshes == their_meshes  # the concatenated (dp..., tp) mesh, equal as meshes
+    dp_placements = (Replicate(),) * (dp_mesh.ndim - 1)
+    assert ours["up.weight"][0] == (*dp_placements, _StridedShard(0, split_factor=2), Shard(0))
+    assert ours["down.weight"][0] == (*dp_placements, Shard(0), Shard(1))
+
+
 def _dim1_when_even(size: int) -> Callable[[nn.Parameter], Shard | None]:
     def placement(param: nn.Parameter) -> Shard | None:
         local = param.to_local() if isinstance(param, DTensor) else param
@@ -130,18 +168,19 @@ def _assert_untouched_after(
     assert [(name, id(p)) for name, p in model.named_parameters()] == before
 
 
-def test_tp_mesh_from_another_root_mesh() -> None:
+def test_tp_mesh_overlapping_the_data_parallel_mesh() -> None:
     with _mesh((2, 2), ("dp", "tp")) as mesh:
-        # Transposed: its "tp" groups are ranks {0, 2} and {1, 3}, not mesh's {0, 1}, {2, 3}.
+        # Transposed: its "tp" groups are ranks {0, 2} and {1, 3}, mesh["dp"]'s axis.
         other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))
         model = _tp(TwoLinear(), other["tp"])
-        _assert_untouched_after(
-            model,
-            lambda: fully_shard(model, mesh=mesh["dp"]),
-            ValueError,
-            "parameter 'up.weight' is a DTensor on .*not the tensor-parallel part of the "
-            "data-parallel mesh's root mesh",
-        )
+        for error in (ValueError, RuntimeError):  # RuntimeError: what torch raises
+            _assert_untouched_after(
+                model,
+                lambda: fully_shard(model, mesh=mesh["dp"]),
+                error,
+                "parameter 'up.weight' is a DTensor on .*which cannot be combined with the "
+                "data-parallel mesh .*Cannot concatenate overlapping meshes",
+            )
 
 
 def test_tp_mesh_passed_as_the_data_parallel_mesh() -> None:
@@ -207,7 +246,7 @@ def test_uneven_shard_on_a_dim_other_than_0(kind: str, shape: tuple, names: tupl
         _assert_untouched_after(
             model,
             lambda: fully_shard(model, mesh=dp_mesh, shard_placement_fn=_dim1),
-            ValueError,
-            r"parameter 'up.weight' has size 8 on dim 1, which the shard world size 3 does "
-            r"not divide; Shard\(dim != 0\) needs an even split",
+            NotImplementedError,  # as torch
+            r"parameter 'up.weight': FSDP does not support uneven sharding on dim 1: size 8 "
+            r"on dim 1, which the shard world size 3 does not divide",
         )
