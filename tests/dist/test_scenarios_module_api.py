@@ -8,6 +8,9 @@ torch's ``fully_shard`` and on ours on 2 gloo ranks.
   ``nn.Module`` does.
 - ``copy.deepcopy`` of a sharded model: an error.
 - A parameter shared by two modules of which one is sharded separately: an error.
+- torchtitan's meta-device sequence: build on meta, ``fully_shard`` per layer and on a
+  *list* of modules, ``to_empty``, initialize the shards, train: with and without CPU
+  offload, and with a parameter frozen before ``fully_shard`` (it stays frozen).
 
 The model is torch's ``MLP`` with ``in_proj``, ``out_proj`` and the root as three
 groups (torch's layout in these tests). One spawn runs every scenario.
@@ -25,9 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy as torch_CPUOffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from dtensor_fsdp import CPUOffloadPolicy
 from tests._harness import MLP, run_distributed, run_scenarios, scenario_records
 from tests.dist._parity import assert_pairs_close, full_pairs, local_pairs
 
@@ -261,6 +266,77 @@ def _shared_across_groups(ctx: Ctx, separately: tuple[str, ...]) -> dict:
 
 
 # ---------------------------------------------------------------------------
+# Meta-device build, list-of-modules groups, to_empty
+# ---------------------------------------------------------------------------
+
+
+class MetaNet(nn.Module):
+    """torchtitan's shape in small: embedding, layers, then norm and output, which
+    torchtitan shards as one group with fully_shard([norm, output])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, DIM)
+        self.layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.out = nn.Linear(DIM, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = F.relu(layer(h))
+        return self.out(self.norm(h))
+
+
+def _meta_list_groups(ctx: Ctx, offload: bool) -> dict:
+    """Per impl: devices and requires_grad of the sharded params after to_empty, then
+    per-step losses and local shards of 3 Adam steps (values copied in from one eager
+    model, so both start from the same shards)."""
+    torch.manual_seed(0)
+    eager = MetaNet()
+    full = dict(eager.named_parameters())
+    out: dict[str, Any] = {"flags": {}, "losses": {}}
+    models = {}
+    for impl, shard in ctx.impls.items():
+        kwargs: dict[str, Any] = {"mesh": ctx.mesh}
+        if offload:
+            # Each implementation recognizes its own policy class; pinning needs an
+            # accelerator.
+            policy = torch_CPUOffloadPolicy if shard is torch_fully_shard else CPUOffloadPolicy
+            kwargs["offload_policy"] = policy(pin_memory=False)
+        with torch.device("meta"):
+            model = MetaNet()
+        model.norm.weight.requires_grad_(False)  # frozen before fully_shard
+        for layer in model.layers:
+            shard(layer, **kwargs)
+        shard([model.norm, model.out], **kwargs)
+        shard(model, **kwargs)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                local = distribute_tensor(full[name].detach(), ctx.mesh, param.placements)
+                param.to_local().copy_(local.to_local())
+        out["flags"][impl] = {
+            n: (p.device.type, p.to_local().device.type, p.requires_grad, type(p).__name__)
+            for n, p in model.named_parameters()
+        }
+        models[impl] = model
+    optims = {impl: torch.optim.Adam(m.parameters(), lr=1e-2) for impl, m in models.items()}
+    tokens = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(ctx.rank))
+    for impl, model in models.items():
+        losses = []
+        for _ in range(3):
+            loss = model(tokens).float().square().mean()
+            loss.backward()
+            optims[impl].step()
+            optims[impl].zero_grad()
+            losses.append(loss.item())
+        out["losses"][impl] = losses
+    out["shards"] = local_pairs(models["ours"], models["torch"], grads=False)
+    return out
+
+
+# ---------------------------------------------------------------------------
 # One spawn
 # ---------------------------------------------------------------------------
 
@@ -277,6 +353,8 @@ def _run(rank: int, world_size: int, impl: str) -> dict[str, Any]:
         "to_float64_after_a_step": lambda: _to_float64_after_a_step(ctx),
         "load_bf16_state_dict": lambda: _load_bf16_state_dict(ctx),
         "deepcopy": lambda: _deepcopy(ctx),
+        "meta_list_groups": lambda: _meta_list_groups(ctx, offload=False),
+        "meta_list_groups_offload": lambda: _meta_list_groups(ctx, offload=True),
     }
     scenarios |= {
         f"cast-{name}": (lambda n=name: _low_precision_cast(ctx, n)) for name in LOW_PRECISION_CASTS
@@ -410,3 +488,17 @@ def test_param_shared_across_groups_raises_value_error(run, case):
         _, error_type, message = ours
         assert error_type == "ValueError", f"rank {rank}: ours raised {ours}"
         assert SHARED_PHRASE in message, f"rank {rank}: {message!r} lacks torch's {SHARED_PHRASE!r}"
+
+
+@pytest.mark.parametrize("name", ["meta_list_groups", "meta_list_groups_offload"])
+def test_meta_build_list_groups_to_empty_then_training_matches_torch(run, name):
+    for rank, rec in enumerate(scenario_records(run, name)):
+        # Every shard materialized on the CPU, a DTensor, norm.weight still frozen: the
+        # same as torch's, flag for flag.
+        assert rec["flags"]["ours"] == rec["flags"]["torch"], f"rank {rank}"
+        assert {f[:2] for f in rec["flags"]["ours"].values()} == {("cpu", "cpu")}
+        assert not rec["flags"]["ours"]["norm.weight"][2]
+        # Same shards, same fp32 arithmetic (one gloo reduction of 2 ranks either way).
+        assert rec["losses"]["ours"] == rec["losses"]["torch"], f"rank {rank}"
+        for name_, (ours, theirs) in rec["shards"].items():
+            assert torch.equal(ours, theirs), f"rank {rank} {name_}"
