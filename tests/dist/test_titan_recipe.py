@@ -190,10 +190,19 @@ def _layout(model: nn.Module) -> dict[str, tuple]:
     }
 
 
+def _resume(impl: Impl, meshes: Meshes, meta: bool, path: str) -> dict:
+    """A model and optimizer built by the recipe from another seed (so a load that
+    changed nothing would show) load ``path`` and take step K."""
+    model = _build(impl, meshes, OTHER_SEED, meta)
+    optim = make_optimizer(model.parameters())
+    _load(model, optim, path)
+    return {"loss": _train_step(model, optim, meshes), "shards": _local_shards(model)}
+
+
 def _recipe(impl: Impl, meshes: Meshes, directory: str, *, meta: bool = True,
-            load_from: str | None = None) -> dict:
-    """The recipe end to end; saves to ``directory/impl.name`` and loads from
-    ``load_from`` (default: its own checkpoint)."""
+            also_resume_from: str | None = None) -> dict:
+    """The recipe end to end: K steps, save to ``directory/impl.name``, step K; then
+    resume from that checkpoint (and from ``also_resume_from``, another run's)."""
     model = _build(impl, meshes, INIT_SEED, meta)
     layout = _layout(model)
     optim = make_optimizer(model.parameters())
@@ -201,29 +210,20 @@ def _recipe(impl: Impl, meshes: Meshes, directory: str, *, meta: bool = True,
     path = os.path.join(directory, impl.name)
     _save(model, optim, path)
     losses.append(_train_step(model, optim, meshes))
-    shards = _local_shards(model)
-    # Another seed, so a load that changed nothing would show.
-    resumed = _build(impl, meshes, OTHER_SEED, meta)
-    resumed_optim = make_optimizer(resumed.parameters())
-    _load(resumed, resumed_optim, load_from or path)
-    return {
+    rec = {
         "layout": layout,
         "losses": losses,
-        "shards": shards,
-        "resumed_loss": _train_step(resumed, resumed_optim, meshes),
-        "resumed_shards": _local_shards(resumed),
+        "shards": _local_shards(model),
+        "resumed": _resume(impl, meshes, meta, path),
     }
+    if also_resume_from is not None:
+        rec["resumed_other"] = _resume(impl, meshes, meta, also_resume_from)
+    return rec
 
 
 # ---------------------------------------------------------------------------
-# Scenarios
+# Scenarios (each recipe run is shared by the tests that read it)
 # ---------------------------------------------------------------------------
-
-
-def _side_by_side(meshes: Meshes, directory: str, meta: bool) -> dict:
-    torch_run = _recipe(IMPLS["torch"], meshes, os.path.join(directory, "torch"), meta=meta)
-    ours_run = _recipe(IMPLS["ours"], meshes, os.path.join(directory, "ours"), meta=meta)
-    return {"torch": torch_run, "ours": ours_run}
 
 
 def _torch_twice(meshes: Meshes, directory: str) -> dict:
@@ -233,11 +233,12 @@ def _torch_twice(meshes: Meshes, directory: str) -> dict:
     }
 
 
-def _ours_loads_torch_checkpoint(meshes: Meshes, directory: str) -> dict:
-    torch_run = _recipe(IMPLS["torch"], meshes, os.path.join(directory, "torch"), meta=False)
-    torch_ckpt = os.path.join(directory, "torch", "torch")
+def _eager(meshes: Meshes, directory: str) -> dict:
+    """Eager init, torch's then ours; ours also resumes from torch's checkpoint."""
+    torch_run = _recipe(IMPLS["torch"], meshes, directory, meta=False)
     ours_run = _recipe(
-        IMPLS["ours"], meshes, os.path.join(directory, "ours"), meta=False, load_from=torch_ckpt
+        IMPLS["ours"], meshes, directory, meta=False,
+        also_resume_from=os.path.join(directory, "torch"),
     )
     return {"torch": torch_run, "ours": ours_run}
 
@@ -247,12 +248,10 @@ def _worker(rank: int, world_size: int, tp: int, directory: str) -> dict:
     meshes = _meshes(tp)
     scenarios = {
         "torch_twice": lambda: _torch_twice(meshes, os.path.join(directory, "twice")),
-        "meta": lambda: _side_by_side(meshes, os.path.join(directory, "meta"), meta=True),
+        "ours": lambda: _recipe(IMPLS["ours"], meshes, os.path.join(directory, "ours")),
     }
     if tp == 1:
-        scenarios["eager"] = lambda: _side_by_side(meshes, os.path.join(directory, "eager"), meta=False)
-        scenarios["cross_load"] = lambda: _ours_loads_torch_checkpoint(
-            meshes, os.path.join(directory, "cross"))
+        scenarios["eager"] = lambda: _eager(meshes, os.path.join(directory, "eager"))
     return run_scenarios(scenarios)
 
 
@@ -288,12 +287,13 @@ def _assert_same_run(ours: dict, theirs: dict, where: str) -> None:
     assert_pairs_equal(_shard_pairs(ours["shards"], theirs["shards"]), f"{where} local shard")
 
 
-def _assert_resumes_exactly(rec: dict, where: str) -> None:
-    assert rec["resumed_loss"] == rec["losses"][K], (
-        f"{where}: loss after the DCP round trip {rec['resumed_loss']!r} vs "
+def _assert_resumes_exactly(rec: dict, resumed: dict, where: str) -> None:
+    """``resumed`` (a model that loaded ``rec``'s checkpoint) took ``rec``'s step K."""
+    assert resumed["loss"] == rec["losses"][K], (
+        f"{where}: loss after the DCP round trip {resumed['loss']!r} vs "
         f"uninterrupted {rec['losses'][K]!r}"
     )
-    assert_pairs_equal(_shard_pairs(rec["resumed_shards"], rec["shards"]), f"{where} resumed shard")
+    assert_pairs_equal(_shard_pairs(resumed["shards"], rec["shards"]), f"{where} resumed shard")
 
 
 def test_torch_recipe_is_deterministic(setup):
@@ -301,37 +301,36 @@ def test_torch_recipe_is_deterministic(setup):
     name, run = setup
     for rank, rec in enumerate(scenario_records(run, "torch_twice")):
         _assert_same_run(rec["first"], rec["second"], f"{name} rank {rank} torch vs torch")
-        _assert_resumes_exactly(rec["first"], f"{name} rank {rank} torch")
+        _assert_resumes_exactly(rec["first"], rec["first"]["resumed"], f"{name} rank {rank} torch")
         losses = rec["first"]["losses"]
         assert losses[-1] < losses[0], f"{name}: did not train: {losses}"
 
 
 def test_recipe_matches_torch_fully_shard(setup):
     name, run = setup
-    for rank, rec in enumerate(scenario_records(run, "meta")):
-        _assert_same_run(rec["ours"], rec["torch"], f"{name} rank {rank} ours vs torch")
-        layout = rec["ours"]["layout"]
-        assert all(kind == "DTensor" and dtype == torch.float32 for kind, _, _, dtype in layout.values())
+    theirs = scenario_records(run, "torch_twice")
+    for rank, ours in enumerate(scenario_records(run, "ours")):
+        _assert_same_run(ours, theirs[rank]["first"], f"{name} rank {rank} ours vs torch")
+        # Sharded fp32 DTensors: bf16 is the compute dtype only.
+        assert all(
+            kind == "DTensor" and dtype == torch.float32 for kind, _, _, dtype in ours["layout"].values()
+        )
 
 
 def test_recipe_resumes_from_dcp_exactly(setup):
     name, run = setup
-    for rank, rec in enumerate(scenario_records(run, "meta")):
-        _assert_resumes_exactly(rec["ours"], f"{name} rank {rank} ours")
+    for rank, ours in enumerate(scenario_records(run, "ours")):
+        _assert_resumes_exactly(ours, ours["resumed"], f"{name} rank {rank} ours")
 
 
 def test_recipe_with_eager_init_matches_torch_fully_shard(w2_run):
     # The same recipe without the meta device: tells a meta-init failure from the rest.
     for rank, rec in enumerate(scenario_records(w2_run, "eager")):
         _assert_same_run(rec["ours"], rec["torch"], f"rank {rank} ours vs torch")
-        _assert_resumes_exactly(rec["ours"], f"rank {rank} ours")
+        _assert_resumes_exactly(rec["ours"], rec["ours"]["resumed"], f"rank {rank} ours")
 
 
 def test_ours_resumes_from_a_torch_checkpoint(w2_run):
-    for rank, rec in enumerate(scenario_records(w2_run, "cross_load")):
-        ours, theirs = rec["ours"], rec["torch"]
-        # Ours, from torch's checkpoint, takes torch's uninterrupted step K bit for bit.
-        assert ours["resumed_loss"] == theirs["losses"][K], f"rank {rank}"
-        assert_pairs_equal(
-            _shard_pairs(ours["resumed_shards"], theirs["shards"]), f"rank {rank} resumed shard"
-        )
+    # Ours, from torch's checkpoint, takes torch's uninterrupted step K bit for bit.
+    for rank, rec in enumerate(scenario_records(w2_run, "eager")):
+        _assert_resumes_exactly(rec["torch"], rec["ours"]["resumed_other"], f"rank {rank} ours")
