@@ -11,8 +11,10 @@ under three implementations:
 - ``torch``: ``torch.distributed.fsdp.fully_shard``, the same grouping;
 - ``ddp``:   ``torch.nn.parallel.DistributedDataParallel``.
 
-The root keeps the FSDP default ``reshard_after_forward=None`` (True for blocks, False for
-the root). No gradient clipping, so the only collectives in a step are data-parallel ones.
+Both FSDPs run torchtitan's settings: ``reshard_after_forward=True`` for every block but
+the last, ``False`` for the last (backward needs it first, so resharding it would only
+gather it straight back) and the root's default (``None``: kept). No gradient clipping,
+so the only collectives in a step are data-parallel ones.
 
 Method, in three phases:
 
@@ -188,8 +190,8 @@ def build_impl(
         model = DistributedDataParallel(model, device_ids=device_ids)
     else:
         shard = dtensor_fsdp.fully_shard if name == "ours" else torch_fully_shard
-        for block in model.layers:
-            shard(block, mesh=mesh)
+        for index, block in enumerate(model.layers):
+            shard(block, mesh=mesh, reshard_after_forward=index < len(model.layers) - 1)
         shard(model, mesh=mesh)
         if args.forward_prefetch:
             # The root's forward starts with the embedding, then block 0; block i's
@@ -441,23 +443,18 @@ def fsdp_group_bytes(config: LlamaConfig) -> tuple[list[int], int]:
 
 
 def analytic_fsdp(config: LlamaConfig, world: int) -> dict[str, float]:
-    """The textbook FSDP step: every block all-gathered in forward and again in backward,
-    the root (not resharded after forward) once, and one reduce-scatter per group.
-
-    dtensor_fsdp keeps the last block of the forward unsharded into backward, where it
-    is needed first, so it issues one block all-gather less: ``ours_all_gathers``.
-    """
+    """The FSDP step under torchtitan's settings: every block all-gathered in forward and
+    again in backward except the last (not resharded after forward), the root once, and
+    one reduce-scatter per group."""
     blocks, root = fsdp_group_bytes(config)
     param_bytes = sum(blocks) + root
     factor = (world - 1) / world
     return {
         "param_bytes": param_bytes,
         "groups": len(blocks) + 1,
-        "all_gathers": 2 * len(blocks) + 1,
-        "ours_all_gathers": 2 * len(blocks),
+        "all_gathers": 2 * len(blocks),
         "reduce_scatters": len(blocks) + 1,
-        "wire_bytes_bound": factor * (3 * sum(blocks) + 2 * root),
-        "ours_wire_bytes": factor * (3 * sum(blocks) - blocks[-1] + 2 * root),
+        "wire_bytes_bound": factor * (3 * sum(blocks) - blocks[-1] + 2 * root),
     }
 
 
@@ -563,10 +560,6 @@ def print_report(results: dict[str, Any]) -> None:
         f"analytic FSDP per step: {analytic['all_gathers']} all-gathers + "
         f"{analytic['reduce_scatters']} reduce-scatters, ring wire bound "
         f"{analytic['wire_bytes_bound'] / MiB:.2f} MiB"
-    )
-    print(
-        f"  ours by design: {analytic['ours_all_gathers']} all-gathers (the last forward "
-        f"block stays unsharded into backward), {analytic['ours_wire_bytes'] / MiB:.2f} MiB"
     )
     for name in ("ours", "torch"):
         if name in impls:
