@@ -101,6 +101,26 @@ def _both(ctx: Ctx, base: nn.Module, shard_fn) -> dict[str, nn.Module]:
     return models
 
 
+
+def _record_and_step(
+    models: dict[str, nn.Module],
+    ref: nn.Module,
+    optims: dict[str, torch.optim.Optimizer],
+    losses: dict[str, torch.Tensor],
+) -> dict:
+    """After backward: the losses, ours' grads against torch's (local) and the single
+    process's (full); then every optimizer steps and ours' shards are compared again."""
+    rec = {
+        "loss": (losses["ours"].item(), losses["torch"].item()),
+        "grads_vs_torch": local_pairs(models["ours"], models["torch"], grads=True),
+        "grads_vs_ref": full_pairs(models["ours"], ref, grads=True),
+    }
+    for optim in optims.values():
+        optim.step()
+        optim.zero_grad()
+    rec["params_vs_torch"] = local_pairs(models["ours"], models["torch"], grads=False)
+    return rec
+
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -305,16 +325,7 @@ def _no_input_root(ctx: Ctx, nested: bool) -> list[dict]:
         losses = {impl: model() for impl, model in models.items()}
         for loss in (*losses.values(), ref()):
             loss.backward()
-        rec = {
-            "loss": (losses["ours"].item(), losses["torch"].item()),
-            "grads_vs_torch": local_pairs(models["ours"], models["torch"], grads=True),
-            "grads_vs_ref": full_pairs(models["ours"], ref, grads=True),
-        }
-        for optim in optims.values():
-            optim.step()
-            optim.zero_grad()
-        rec["params_vs_torch"] = local_pairs(models["ours"], models["torch"], grads=False)
-        records.append(rec)
+        records.append(_record_and_step(models, ref, optims, losses))
     return records
 
 
@@ -349,16 +360,7 @@ def _forward_without_backward(ctx: Ctx, root_raf: bool | None) -> dict:
         }
         for loss in (*losses.values(), _mean_square(ref(_global_input(step)))):
             loss.backward()
-        rec = {
-            "loss": (losses["ours"].item(), losses["torch"].item()),
-            "grads_vs_torch": local_pairs(models["ours"], models["torch"], grads=True),
-            "grads_vs_ref": full_pairs(models["ours"], ref, grads=True),
-        }
-        for optim in optims.values():
-            optim.step()
-            optim.zero_grad()
-        rec["params_vs_torch"] = local_pairs(models["ours"], models["torch"], grads=False)
-        steps.append(rec)
+        steps.append(_record_and_step(models, ref, optims, losses))
     return {"after_forward": after_forward, "steps": steps}
 
 
@@ -585,16 +587,7 @@ def _chunked_loss(ctx: Ctx, regions: str, detached_use: bool) -> list[dict]:
         # the loss is the batch mean either way.
         for loss in (*losses.values(), ref(gx, gy)):
             loss.backward()
-        rec = {
-            "loss": (losses["ours"].item(), losses["torch"].item()),
-            "grads_vs_torch": local_pairs(models["ours"], models["torch"], grads=True),
-            "grads_vs_ref": full_pairs(models["ours"], ref, grads=True),
-        }
-        for optim in optims.values():
-            optim.step()
-            optim.zero_grad()
-        rec["params_vs_torch"] = local_pairs(models["ours"], models["torch"], grads=False)
-        records.append(rec)
+        records.append(_record_and_step(models, ref, optims, losses))
     return records
 
 
