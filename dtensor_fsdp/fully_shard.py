@@ -13,7 +13,6 @@ from typing import Any, overload
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 
 from .api import (
     AllGather,
@@ -38,7 +37,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
@@ -52,7 +51,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
@@ -88,7 +87,9 @@ def fully_shard(
             and all-gathers them again in backward; ``False`` keeps them until after
             backward; ``None`` means ``True``, except for the root, which keeps them.
         shard_placement_fn: maps a parameter to the ``Shard(dim)`` to shard it with, or
-            ``None`` for ``Shard(0)``; a dim other than 0 must divide evenly.
+            ``None`` for ``Shard(0)``; a dim other than 0 must divide evenly. torch's
+            ``ShardPlacementResult`` (placement and mesh info) is accepted too, on the
+            mesh passed here.
         mp_policy: mixed precision: all-gather and compute in ``param_dtype`` (the cast
             happens on the shard, before the all-gather), reduce in ``reduce_dtype``;
             the sharded params and grads the optimizer sees keep the original dtype.
@@ -105,10 +106,15 @@ def fully_shard(
 
     Raises:
         TypeError: ``module`` is not a module or a list of modules.
-        ValueError: a module was already passed to ``fully_shard``, a parameter is
-            already a DTensor (sharded by another group, or tensor-parallel), or a
-            parameter or buffer is on a device other than the mesh's.
-        NotImplementedError: an argument needs a capability not built yet.
+        ValueError: a module was already passed to ``fully_shard``; a parameter is
+            shared with another group, 0-dimensional, or on a device other than the
+            mesh's; the mesh is not 1-D or 2-D; ``shard_placement_fn`` returned something
+            invalid (a ``Shard`` dim out of range is also an ``AssertionError``, as in
+            torch); a tensor-parallel mesh cannot be concatenated with ``mesh`` (also a
+            ``RuntimeError``, as in torch).
+        NotImplementedError: a non-contiguous parameter, an uneven ``Shard(dim != 0)``,
+            a ``ShardPlacementResult`` on another mesh, or another capability not built
+            yet.
     """
     plan = plan_sharding(
         module,

@@ -25,7 +25,6 @@ from .mesh import MeshInfo
 from .param import FSDPParam
 from .scheduler import CommContext
 
-
 # Reduce dtypes whose range lets the collective sum before dividing.
 _NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16)
 

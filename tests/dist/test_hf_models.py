@@ -52,8 +52,13 @@ def _build(variant: str) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ_LEN,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * SEQ_LEN,
         tie_word_embeddings=variant == "tied",
         # SDPA: FlexAttention's backward is not supported on CPU (TORCH_NOTES.md).
         attn_implementation="sdpa",
@@ -94,10 +99,12 @@ def _tokens() -> torch.Tensor:
 def _layout(model: nn.Module) -> dict[str, tuple]:
     return {
         name: (
-            type(p).__name__, isinstance(p, DTensor),
+            type(p).__name__,
+            isinstance(p, DTensor),
             tuple(p.placements) if isinstance(p, DTensor) else None,
             tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape),
-            p.dtype, p.requires_grad,
+            p.dtype,
+            p.requires_grad,
         )
         for name, p in model.named_parameters()
     }
@@ -108,7 +115,8 @@ def _local_grad_pairs(ours: nn.Module, theirs: nn.Module) -> dict:
     their_params = dict(theirs.named_parameters())
     return {
         name: (p.grad.to_local().clone(), their_params[name].grad.to_local().clone())
-        for name, p in ours.named_parameters() if p.requires_grad
+        for name, p in ours.named_parameters()
+        if p.requires_grad
     }
 
 

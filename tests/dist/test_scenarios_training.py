@@ -101,7 +101,6 @@ def _both(ctx: Ctx, base: nn.Module, shard_fn) -> dict[str, nn.Module]:
     return models
 
 
-
 def _record_and_step(
     models: dict[str, nn.Module],
     ref: nn.Module,
@@ -120,6 +119,7 @@ def _record_and_step(
         optim.zero_grad()
     rec["params_vs_torch"] = local_pairs(models["ours"], models["torch"], grads=False)
     return rec
+
 
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1)

@@ -173,9 +173,7 @@ def _load(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
     model_sd, optim_sd = get_state_dict(model, optim)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(
-        model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -184,8 +182,12 @@ def _local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _layout(model: nn.Module) -> dict[str, tuple]:
     return {
-        n: (type(p).__name__, tuple(p.placements) if isinstance(p, DTensor) else None,
-            tuple(p.to_local().shape), p.dtype)
+        n: (
+            type(p).__name__,
+            tuple(p.placements) if isinstance(p, DTensor) else None,
+            tuple(p.to_local().shape),
+            p.dtype,
+        )
         for n, p in model.named_parameters()
     }
 
@@ -199,8 +201,14 @@ def _resume(impl: Impl, meshes: Meshes, meta: bool, path: str) -> dict:
     return {"loss": _train_step(model, optim, meshes), "shards": _local_shards(model)}
 
 
-def _recipe(impl: Impl, meshes: Meshes, directory: str, *, meta: bool = True,
-            also_resume_from: str | None = None) -> dict:
+def _recipe(
+    impl: Impl,
+    meshes: Meshes,
+    directory: str,
+    *,
+    meta: bool = True,
+    also_resume_from: str | None = None,
+) -> dict:
     """The recipe end to end: K steps, save to ``directory/impl.name``, step K; then
     resume from that checkpoint (and from ``also_resume_from``, another run's)."""
     model = _build(impl, meshes, INIT_SEED, meta)
@@ -237,7 +245,10 @@ def _eager(meshes: Meshes, directory: str) -> dict:
     """Eager init, torch's then ours; ours also resumes from torch's checkpoint."""
     torch_run = _recipe(IMPLS["torch"], meshes, directory, meta=False)
     ours_run = _recipe(
-        IMPLS["ours"], meshes, directory, meta=False,
+        IMPLS["ours"],
+        meshes,
+        directory,
+        meta=False,
         also_resume_from=os.path.join(directory, "torch"),
     )
     return {"torch": torch_run, "ours": ours_run}
@@ -258,6 +269,7 @@ def _worker(rank: int, world_size: int, tp: int, directory: str) -> dict:
 # ---------------------------------------------------------------------------
 # Parent side: one spawn per (world size, tp)
 # ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def w2_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
@@ -283,7 +295,9 @@ def _shard_pairs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict
 
 def _assert_same_run(ours: dict, theirs: dict, where: str) -> None:
     assert ours["layout"] == theirs["layout"], f"{where} layout"
-    assert ours["losses"] == theirs["losses"], f"{where} losses {ours['losses']} vs {theirs['losses']}"
+    assert ours["losses"] == theirs["losses"], (
+        f"{where} losses {ours['losses']} vs {theirs['losses']}"
+    )
     assert_pairs_equal(_shard_pairs(ours["shards"], theirs["shards"]), f"{where} local shard")
 
 
@@ -313,7 +327,8 @@ def test_recipe_matches_torch_fully_shard(setup):
         _assert_same_run(ours, theirs[rank]["first"], f"{name} rank {rank} ours vs torch")
         # Sharded fp32 DTensors: bf16 is the compute dtype only.
         assert all(
-            kind == "DTensor" and dtype == torch.float32 for kind, _, _, dtype in ours["layout"].values()
+            kind == "DTensor" and dtype == torch.float32
+            for kind, _, _, dtype in ours["layout"].values()
         )
 
 

@@ -52,7 +52,12 @@ def test_nested_inputs_move_like_torchs() -> None:
     # A dataclass batch: torch 2.13 leaves its tensors where they are (the forward then
     # fails on the device); ours moves them too (README, differences from torch).
     assert _describe(torch_args[0][3])[1][1] == "cpu"
-    assert _describe(ours_args[3]) == ("Batch", ("tensor", "meta", torch.int64, (5,)), None, "batch")
+    assert _describe(ours_args[3]) == (
+        "Batch",
+        ("tensor", "meta", torch.int64, (5,)),
+        None,
+        "batch",
+    )
 
 
 def test_tensors_already_on_the_device_are_passed_through() -> None:
