@@ -82,7 +82,8 @@ def fully_shard(
     Args:
         module: the module, or list of modules, to shard as one group.
         mesh: the data-parallel ``DeviceMesh``. ``None`` builds a 1-D mesh over the
-            default process group. Its device type decides where shards live.
+            default process group (initialized from the environment first if need be, as
+            torch does). Its device type decides where shards live.
         reshard_after_forward: ``True`` frees the unsharded parameters after forward
             and all-gathers them again in backward; ``False`` keeps them until after
             backward; ``None`` means ``True``, except for the root, which keeps them.

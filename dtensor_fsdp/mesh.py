@@ -69,12 +69,11 @@ class MeshInfo:
 
 def default_mesh() -> DeviceMesh:
     """A 1-D mesh over the whole default process group: on the accelerator, as in torch,
-    if the group has a backend for it (``"cpu:gloo"`` has none for CUDA), else the CPU."""
+    if the group has a backend for it (``"cpu:gloo"`` has none for CUDA), else the CPU.
+    Like torch's ``fully_shard(mesh=None)``, it initializes the default process group
+    (``env://``, as torchrun sets up) if nothing has yet."""
     if not dist.is_initialized():
-        raise ValueError(
-            "fully_shard(mesh=None) needs an initialized default process group: call "
-            "torch.distributed.init_process_group() first (torchrun sets up its environment)"
-        )
+        dist.init_process_group()
     device_type = _accelerator_type()
     if device_type != "cpu" and backend_for(dist.group.WORLD, torch.device(device_type)) is None:
         device_type = "cpu"
