@@ -105,6 +105,27 @@ def local_pairs(ours: nn.Module, theirs: nn.Module, *, grads: bool) -> Pairs:
     return pairs
 
 
+def step_against_torch(
+    ours: nn.Module,
+    theirs: nn.Module,
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    losses: list[torch.Tensor],
+) -> dict:
+    """Backward both losses, record both losses and the local grads side by side, step
+    every optimizer, then record the local shards side by side."""
+    for loss in losses:
+        loss.backward()
+    record = {
+        "loss": tuple(loss.item() for loss in losses),
+        "grads": local_pairs(ours, theirs, grads=True),
+    }
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+    record["params"] = local_pairs(ours, theirs, grads=False)
+    return record
+
+
 def placements(model: nn.Module) -> dict[str, tuple]:
     """Per FQN: (placements, local shape), or None for a parameter that is not a DTensor."""
     return {

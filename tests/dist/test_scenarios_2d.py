@@ -31,9 +31,9 @@ from tests._harness import MLPStack, run_distributed, run_scenarios, scenario_re
 from tests.dist._parity import (
     assert_pairs_equal,
     assert_train_parity,
-    local_pairs,
     make_optimizer,
     placements,
+    step_against_torch,
     train_against_reference,
 )
 
@@ -108,17 +108,7 @@ def _train_2d(mesh: DeviceMesh, shard: Callable[..., Any], case: tuple) -> dict:
     vs_torch = []
     for x, y in batches:
         losses = [F.mse_loss(m(local(x)), local(y)) for m in (fresh, theirs)]
-        for loss in losses:
-            loss.backward()
-        rec = {
-            "loss": tuple(loss.item() for loss in losses),
-            "grads": local_pairs(fresh, theirs, grads=True),
-        }
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        rec["params"] = local_pairs(fresh, theirs, grads=False)
-        vs_torch.append(rec)
+        vs_torch.append(step_against_torch(fresh, theirs, opts, losses))
     return {"placements": layout, "vs_single_process": records, "vs_torch": vs_torch}
 
 

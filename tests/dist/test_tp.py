@@ -34,9 +34,9 @@ from tests.dist._parity import (
     assert_params_close,
     assert_train_parity,
     full,
-    local_pairs,
     make_optimizer,
     placements,
+    step_against_torch,
     train_against_reference,
 )
 
@@ -109,17 +109,7 @@ def _torch_parity(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh, dp_rank: int) -> lis
     for step in range(2):
         x, y = _batch(step)
         losses = [cross_entropy_loss(m(local(x)), local(y)) for m in (ours, theirs)]
-        for loss in losses:
-            loss.backward()
-        rec = {
-            "loss": tuple(loss.item() for loss in losses),
-            "grads": local_pairs(ours, theirs, grads=True),
-        }
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        rec["params"] = local_pairs(ours, theirs, grads=False)
-        records.append(rec)
+        records.append(step_against_torch(ours, theirs, opts, losses))
     return records
 
 
