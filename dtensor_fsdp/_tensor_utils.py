@@ -72,6 +72,15 @@ class ShardGeometry:
         return torch.Size((*self.shape[: self.dim], size, *self.shape[self.dim + 1 :]))
 
 
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
 def free_storage(tensor: torch.Tensor) -> None:
     """Release the memory behind ``tensor`` but keep the tensor object (and its views).
 

@@ -139,7 +139,8 @@ def copy_out(
     Args:
         all_gather_output: (W * shard_nbytes,) uint8.
         split_nbytes: each parameter's padded shard bytes, in buffer order.
-        outputs: each parameter's padded unsharded buffer as (W, padded_shard_nbytes) uint8.
+        outputs: where each column goes, as (W, its bytes) uint8 (a padded unsharded
+            buffer, or an all-gather extension's output).
     """
     rows = all_gather_output.view(world_size, -1)  # (W, shard_nbytes)
     torch.split_with_sizes_copy(rows, split_nbytes, dim=1, out=outputs)

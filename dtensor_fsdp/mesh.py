@@ -42,6 +42,16 @@ class MeshInfo:
         return self.mesh.get_local_rank(self.shard_axis)
 
     @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the shard axis (what torch hands ``fsdp_pre_all_gather``)."""
+        if self.mesh.ndim == 1:
+            return self.mesh
+        names = self.mesh.mesh_dim_names
+        if names is not None:
+            return self.mesh[names[self.shard_axis]]
+        return DeviceMesh.from_group(self.shard_group, self.mesh.device_type)
+
+    @property
     def is_hsdp(self) -> bool:
         return self.replicate_axis is not None
 

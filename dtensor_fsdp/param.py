@@ -32,8 +32,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from ._tensor_utils import ShardGeometry, alloc_storage, free_storage
+from ._tensor_utils import ShardGeometry, alloc_storage, contiguous_stride, free_storage
 from .api import MixedPrecisionPolicy
+from .extension import AllGatherExtension, has_all_gather_extension
 from .mesh import MeshInfo, SpmdLayout
 
 
@@ -94,7 +95,8 @@ class FSDPParam:
             mesh_info: the data-parallel mesh.
             mp_policy: decides the unsharded (all-gather, compute) and reduce dtypes.
             sharded_storage: this parameter's segment of the group's sharded buffer,
-                1-D uint8 of exactly ``padded_shard_nbytes`` bytes, on the target device.
+                1-D uint8 of exactly ``sharded_buffer_nbytes`` bytes, on the target
+                device (empty for a parameter with an all-gather extension).
         """
         original = source.data
         self.fqn = source.fqn
@@ -116,13 +118,24 @@ class FSDPParam:
         # micro-batches, awaiting the all-reduce over the replicate axis. 1-D, padded.
         self.partial_reduced_grad: torch.Tensor | None = None
         # Shard(dim != 0) only: all-gather output columns staged for the rearrangement.
-        self._copy_out_staging: torch.Tensor | None = None
+        self._copy_out_staging: list[torch.Tensor] | None = None
         # Gradient accumulation without sync when reduce_dtype != param_dtype: the
         # unsharded grads summed in reduce_dtype, so low precision does not accumulate.
         self._accumulated_grad: torch.Tensor | None = None
-        assert sharded_storage.numel() == self.padded_shard_nbytes
-        self._padded_shard = sharded_storage.view(self.dtype).view(self.geometry.padded_local_shape)
-        self._init_sharded_param(original, source.original.requires_grad)
+        # A tensor subclass that decides what its all-gather carries (extension.py).
+        self.extension = (
+            AllGatherExtension(source.fqn, source.slots[0].module, self.shape)
+            if has_all_gather_extension(original)
+            else None
+        )
+        assert sharded_storage.numel() == self.sharded_buffer_nbytes
+        if self.extension is None:
+            self._padded_shard = self.padded_shard_view(sharded_storage)
+            self._init_sharded_param(original, source.original.requires_grad)
+        else:
+            self._init_sharded_subclass(
+                original, source.original.requires_grad, sharded_storage.device
+            )
         self._init_unsharded_param()
         self.sharded_state = ShardedState.SHARDED
 
@@ -137,12 +150,17 @@ class FSDPParam:
         return self.geometry.padded_shard_numel
 
     @property
-    def padded_shard_nbytes(self) -> int:
+    def sharded_buffer_nbytes(self) -> int:
+        """This parameter's bytes in the group's sharded buffer: its padded shard, or
+        none when an all-gather extension keeps its own tensor subclass."""
+        if self.extension is not None:
+            return 0
         return self.geometry.padded_shard_numel * self.dtype.itemsize
 
     @property
     def all_gather_nbytes(self) -> int:
-        """Bytes this parameter contributes per rank to the all-gather (param_dtype)."""
+        """Bytes a parameter without extension contributes per rank to the all-gather
+        (its padded shard in param_dtype)."""
         return self.geometry.padded_shard_numel * self.param_dtype.itemsize
 
     def all_gather_input_view(self, segment: torch.Tensor) -> torch.Tensor:
@@ -150,11 +168,33 @@ class FSDPParam:
         return segment.view(self.param_dtype).view(self.geometry.padded_local_shape)
 
     def padded_shard_view(self, segment: torch.Tensor) -> torch.Tensor:
-        """``segment`` (uint8, ``padded_shard_nbytes``, e.g. on the compute device under
+        """``segment`` (uint8, ``sharded_buffer_nbytes``, e.g. on the compute device under
         CPU offload) viewed like the padded shard."""
         return segment.view(self.dtype).view(self.geometry.padded_local_shape)
 
     # Initialization #
+
+    def _init_sharded_subclass(
+        self, original: torch.Tensor, requires_grad: bool, device: torch.device
+    ) -> None:
+        """An all-gather extension's subclass cannot live in the uint8 sharded buffer:
+        pad it on its own, as torch does, with ops the subclass keeps itself through
+        (``new_zeros``, slicing, ``copy_``; torchao's subclasses implement them for
+        FSDP)."""
+        with torch.no_grad():
+            padded = original.new_zeros(self.geometry.padded_local_shape)
+            if padded.device != device:
+                padded = padded.to(device)  # CPU offload
+            local = padded[: self.geometry.local_shape[0]]  # (*local_shape)
+            if local.numel() > 0 and original.device.type != "meta":
+                # torch.chunk (aten.split), as torch does: subclasses such as NF4 support
+                # it, but not slicing at arbitrary rows.
+                chunks = torch.chunk(original.detach(), self.geometry.world_size, self.geometry.dim)
+                local.copy_(chunks[self.geometry.rank])
+            sharded = self._sharded_dtensor(local)
+        self._padded_shard = padded
+        self.sharded_param = nn.Parameter(sharded, requires_grad=requires_grad)
+        self._sharded_local = local
 
     def _init_sharded_param(self, original: torch.Tensor, requires_grad: bool) -> None:
         with torch.no_grad():
@@ -172,22 +212,36 @@ class FSDPParam:
         self._sharded_local = local
 
     def _init_unsharded_param(self) -> None:
+        if self.extension is not None:
+            # Built from the first all-gather, by fsdp_post_all_gather.
+            self._padded_unsharded = None
+            self.unsharded_param = None
+            return
         padded = torch.empty(
             self.geometry.padded_unsharded_shape,
             dtype=self.param_dtype,
-            device=self._padded_shard.device,
+            device=self.compute_device,
         )  # (*padded_unsharded_shape): W padded chunks along the shard dim
-        self._padded_unsharded = padded
+        self._padded_unsharded: torch.Tensor | None = padded
         unsharded = self._as_unsharded(padded[: self.shape[0]])  # (*shape)
-        self.unsharded_param = nn.Parameter(unsharded, self.requires_grad)
+        self.unsharded_param: nn.Parameter | None = nn.Parameter(unsharded, self.requires_grad)
         free_storage(padded)
+
+    @property
+    def compute_device(self) -> torch.device:
+        """Where the unsharded param lives: the mesh's device (the sharded param may be
+        offloaded to the CPU), or meta until the module is materialized."""
+        return self._padded_shard.device if self._padded_shard.is_meta else self.mesh_info.device
 
     # Runtime #
 
     def registered_local(self) -> torch.Tensor:
-        """The sharded param's local tensor as it is now (user code may have replaced it)."""
-        with torch.no_grad():  # to_local() with grad enabled records an autograd node
-            return self.sharded_param.to_local()
+        """The sharded param's local tensor as it is now (user code may have replaced it).
+
+        The object itself, as torch's FSDP2 reads it: ``to_local()`` records an autograd
+        node with grad enabled and returns a fresh view of a Parameter(DTensor) without.
+        """
+        return self.sharded_param._local_tensor
 
     def is_current(self) -> bool:
         """Whether the sharded param's local tensor is still this parameter's segment of
@@ -195,6 +249,8 @@ class FSDPParam:
         ``cuda()``...) and ``param.data = ...`` replace it; the group then re-derives
         its sharded state (`FSDPParamGroup.reset_sharded_params`)."""
         local = self.registered_local()
+        if self.extension is not None:
+            return local is self._sharded_local
         return (
             local.dtype == self._sharded_local.dtype
             and local.device == self._sharded_local.device
@@ -210,36 +266,61 @@ class FSDPParam:
         """
         return self._padded_unsharded.view(torch.uint8).view(world_size, -1)
 
-    def copy_out_target(self, world_size: int, is_post_forward: bool) -> torch.Tensor:
-        """Where this parameter's ``(world_size, bytes)`` column of the all-gather output
-        goes: the unsharded rows, or for a full all-gather of a Shard(dim != 0) param a
-        staging buffer that `finish_copy_out` rearranges along the shard dim."""
-        if self.geometry.dim == 0 or is_post_forward:
-            return self.unsharded_rows(world_size)
-        self._copy_out_staging = torch.empty(
-            (world_size, self.all_gather_nbytes),
-            dtype=torch.uint8,
-            device=self._padded_shard.device,
+    def extension_all_gather_inputs(self) -> list[torch.Tensor]:
+        """The all-gather inputs ``fsdp_pre_all_gather`` makes of the sharded local
+        tensor (moved to the compute device first under CPU offload), each 1-D."""
+        assert self.extension is not None
+        local = self.registered_local().to(self.compute_device, non_blocking=True)
+        return self.extension.pre_all_gather(
+            local, self.mesh_info.shard_mesh, self.geometry.padded_local_shape, self.mp_policy
         )
+
+    def copy_out_targets(self, world_size: int, is_post_forward: bool) -> list[torch.Tensor]:
+        """Where this parameter's ``(world_size, bytes)`` columns of the all-gather
+        output go, one per all-gather input: the unsharded rows or the extension's
+        all-gather outputs; for a full all-gather of a Shard(dim != 0) param, staging
+        buffers that `finish_copy_out` concatenates along the shard dim."""
+        if self.extension is not None:
+            targets = self.extension.copy_out_targets(world_size, self.compute_device)
+        else:
+            alloc_storage(
+                self._padded_unsharded,
+                self._padded_unsharded.numel() * self.param_dtype.itemsize,
+            )
+            targets = [self.unsharded_rows(world_size)]
+        if self.geometry.dim == 0 or is_post_forward:
+            return targets
+        self._copy_out_staging = [torch.empty_like(target) for target in targets]
         return self._copy_out_staging
 
     def finish_copy_out(self) -> None:
+        """Concatenate staged Shard(dim != 0) columns along the dim; build or refresh an
+        extension's unsharded param with ``fsdp_post_all_gather``."""
         staged, self._copy_out_staging = self._copy_out_staging, None
-        if staged is None:
+        if staged is not None:
+            finals = [self._padded_unsharded] if self.extension is None else self.extension.outputs
+            for rows, final in zip(staged, finals, strict=True):
+                self._concat_along_shard_dim(rows, final)
+        if self.extension is None:
             return
-        dim, world_size = self.geometry.dim, self.geometry.world_size
-        chunks = staged.view(self.param_dtype).view(world_size, *self.geometry.padded_local_shape)
-        # (*shape[:dim], W, shape[dim] / W, *shape[dim + 1:]): concatenation along dim.
-        target = self._padded_unsharded.unflatten(dim, (world_size, -1))
-        target.copy_(chunks.movedim(0, dim))
-
-    def alloc_unsharded(self) -> None:
-        alloc_storage(
-            self._padded_unsharded, self._padded_unsharded.numel() * self.param_dtype.itemsize
+        unsharded = self.extension.post_all_gather(
+            self._sharded_local, self.param_dtype, out=self.unsharded_param
         )
+        if unsharded is not None:
+            self.unsharded_param = nn.Parameter(self._as_unsharded(unsharded), self.requires_grad)
+
+    def _concat_along_shard_dim(self, rows: torch.Tensor, final: torch.Tensor) -> None:
+        """``rows`` (W, bytes): W padded shards of ``final``'s dtype back to back; write
+        their concatenation along the shard dim into ``final``."""
+        dim, world_size = self.geometry.dim, self.geometry.world_size
+        chunks = rows.view(final.dtype).view(world_size, *self.geometry.padded_local_shape)
+        # (*shape[:dim], W, shape[dim] / W, *shape[dim + 1:]): concatenation along dim.
+        target = final.view(self.geometry.padded_unsharded_shape).unflatten(dim, (world_size, -1))
+        target.copy_(chunks.movedim(0, dim))
 
     def to_unsharded(self) -> None:
         self._assert_in_states(ShardedState.SHARDED)
+        assert self.unsharded_param is not None, f"{self.fqn}: unsharded before all-gather"
         # requires_grad may have changed on the sharded param since the last unshard.
         if self.unsharded_param.requires_grad != self.requires_grad:
             self.unsharded_param.requires_grad_(self.requires_grad)
@@ -248,18 +329,23 @@ class FSDPParam:
 
     def to_sharded(self) -> None:
         self._register(self.sharded_param)
-        free_storage(self._padded_unsharded)
+        if self.extension is not None:
+            self.extension.free()
+        else:
+            free_storage(self._padded_unsharded)
         self.sharded_state = ShardedState.SHARDED
 
     def version_tracked(self) -> list[torch.Tensor]:
         """The tensors autograd may have saved that copy-out writes into."""
+        if self.extension is not None:
+            return self.extension.version_tracked()
         return [self.unsharded_param, self._padded_unsharded]
 
     @property
     def unsharded_grad(self) -> torch.Tensor | None:
         """The unsharded grad as a plain tensor of ``shape`` (for TP: its local tensor,
         after turning a Partial grad into the param's own placements)."""
-        grad = self.unsharded_param.grad
+        grad = None if self.unsharded_param is None else self.unsharded_param.grad
         if grad is None or not isinstance(grad, DTensor):
             return grad
         # Data-parallel axes (dp_mesh_dims) keep their placement, Partial included: the
@@ -286,9 +372,7 @@ class FSDPParam:
 
     def zero_grad_to_reduce(self) -> torch.Tensor:
         """Zeros in place of the grad of a parameter unused this step."""
-        zeros = torch.zeros(
-            self.shape, dtype=self.param_dtype, device=self._padded_unsharded.device
-        )
+        zeros = torch.zeros(self.shape, dtype=self.param_dtype, device=self.compute_device)
         return self._arranged_for_reduce_scatter(zeros)
 
     def _arranged_for_reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
@@ -299,7 +383,8 @@ class FSDPParam:
         )
 
     def clear_unsharded_grad(self) -> None:
-        self.unsharded_param.grad = None
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None
 
     def discard_pending_grads(self) -> None:
         self.clear_unsharded_grad()
@@ -366,7 +451,7 @@ class FSDPParam:
                 self.layout.unsharded_placements,
                 run_check=False,
                 shape=self.global_shape,
-                stride=_contiguous_stride(self.global_shape),
+                stride=contiguous_stride(self.global_shape),
             )
 
     def _sharded_dtensor(self, local: torch.Tensor) -> DTensor:
@@ -376,7 +461,7 @@ class FSDPParam:
             self.layout.placements,
             run_check=False,
             shape=self.global_shape,
-            stride=_contiguous_stride(self.global_shape),
+            stride=contiguous_stride(self.global_shape),
         )
 
     # Re-homing and initialization #
@@ -387,15 +472,24 @@ class FSDPParam:
         ``segment`` of the group's new sharded buffer and make that the local tensor.
 
         Args:
-            segment: 1-D uint8 of ``padded_shard_numel`` elements of the new dtype, on
-                the device of the replaced local tensor.
+            segment: 1-D uint8 of `reset_buffer_nbytes` bytes, on the device of the
+                replaced local tensor.
         """
         local = self.registered_local()  # (*local_shape), the new dtype and device
         self.dtype = local.dtype
         self.param_dtype, self.reduce_dtype = mp_dtypes(self.mp_policy, self.dtype)
-        self._padded_shard = self.padded_shard_view(segment)
+        self.extension = (
+            AllGatherExtension(self.fqn, self.slots[0].module, self.shape)
+            if has_all_gather_extension(local)
+            else None
+        )
         with torch.no_grad():
-            self._padded_shard.zero_()
+            if self.extension is not None:
+                # A subclass is padded on its own, as in `_init_sharded_subclass`.
+                self._padded_shard = local.new_zeros(self.geometry.padded_local_shape)
+            else:
+                self._padded_shard = self.padded_shard_view(segment)
+                self._padded_shard.zero_()
             view = self._padded_shard[: self.geometry.local_shape[0]]  # (*local_shape)
             view.copy_(local)
         # The same Parameter and DTensor objects, so optimizers, hooks and .grad built on
@@ -404,6 +498,13 @@ class FSDPParam:
         self.sharded_param._local_tensor = view
         self._sharded_local = view
         self._init_unsharded_param()
+
+    def reset_buffer_nbytes(self) -> int:
+        """`sharded_buffer_nbytes` for the local tensor that replaced this one."""
+        local = self.registered_local()
+        if has_all_gather_extension(local):
+            return 0
+        return self.padded_shard_numel * local.dtype.itemsize
 
     def register_full_for_init(self) -> nn.Parameter:
         """Register a temporary full parameter in the original dtype, for init code to
@@ -475,11 +576,3 @@ def mp_dtypes(
         return dtype, dtype
     param_dtype = mp_policy.param_dtype or dtype
     return param_dtype, mp_policy.reduce_dtype or param_dtype
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= size
-    return tuple(reversed(stride))

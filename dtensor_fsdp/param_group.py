@@ -35,6 +35,7 @@ from .collectives import (
     all_gather,
     copy_out,
 )
+from .extension import has_all_gather_extension
 from .mesh import MeshInfo
 from .param import FSDPParam, ParamToShard, ShardedState
 from .reduction import GradientReduction
@@ -132,8 +133,11 @@ class FSDPParamGroup:
         # See [Note: sharded buffer] for why the layout is sorted by element size.
         layout = sorted(params, key=lambda p: -p.data.dtype.itemsize)
         rank = self.mesh_info.shard_rank
+        # A parameter with an all-gather extension keeps its own subclass tensor.
         sizes = [
-            ShardGeometry(p.data.shape, p.shard_dim, world_size, rank).padded_shard_numel
+            0
+            if has_all_gather_extension(p.data)
+            else ShardGeometry(p.data.shape, p.shard_dim, world_size, rank).padded_shard_numel
             * p.data.dtype.itemsize
             for p in layout
         ]
@@ -147,19 +151,26 @@ class FSDPParamGroup:
         self.sharded_buffer = torch.empty(
             sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin
         )
-        segments = self.sharded_buffer.split(sizes)  # each (padded_shard_nbytes,)
+        segments = self.sharded_buffer.split(sizes)  # each (sharded_buffer_nbytes,)
         return [
             FSDPParam(source, self.mesh_info, segment, mp_policy)
             for source, segment in zip(layout, segments, strict=True)
         ]
 
     def _init_all_gather_layout(self) -> None:
-        # The all-gather carries param_dtype. Without a cast it reads the sharded buffer
-        # in place and this order is the buffer's; with one, a copy-in casts each shard
-        # into a param_dtype buffer laid out in this order (largest dtype first again).
-        self._all_gather_order = sorted(self.fsdp_params, key=lambda p: -p.param_dtype.itemsize)
-        self._all_gather_split = [p.all_gather_nbytes for p in self._all_gather_order]
-        self._casts_on_all_gather = any(p.param_dtype != p.dtype for p in self.fsdp_params)
+        # The all-gather carries each plain param's padded shard in param_dtype, then each
+        # extension's inputs, as bytes. Without a cast or an extension it reads the
+        # sharded buffer in place and this order is the buffer's; otherwise a copy-in
+        # builds the all-gather input in this order (largest param_dtype first again, so
+        # the cast writes aligned views).
+        plain = [p for p in self.fsdp_params if p.extension is None]
+        self._plain_all_gather_order = sorted(plain, key=lambda p: -p.param_dtype.itemsize)
+        self._all_gather_order = self._plain_all_gather_order + [
+            p for p in self.fsdp_params if p.extension is not None
+        ]
+        self._plain_all_gather_split = [p.all_gather_nbytes for p in self._plain_all_gather_order]
+        self._casts_on_all_gather = any(p.param_dtype != p.dtype for p in plain)
+        self._has_extensions = len(plain) < len(self.fsdp_params)
 
     def _sharded_device(self, device: torch.device) -> torch.device:
         if self.offload is None or device.type == "meta":
@@ -215,9 +226,7 @@ class FSDPParamGroup:
         # See [Note: sharded buffer] for the order; sorted in place, since the reduction
         # holds this same list.
         self.fsdp_params.sort(key=lambda p: -p.registered_local().dtype.itemsize)
-        sizes = [
-            p.padded_shard_numel * p.registered_local().dtype.itemsize for p in self.fsdp_params
-        ]
+        sizes = [p.reset_buffer_nbytes() for p in self.fsdp_params]
         pin = self.offload is not None and self.offload.pin_memory and self.device.type != "cpu"
         self.sharded_buffer = torch.empty(
             sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin
@@ -261,8 +270,6 @@ class FSDPParamGroup:
         assert source is not None
         self._post_forward_buffer = None  # its contents are in the all-gather output now
         world_size = source.mesh_info.shard_size
-        for fsdp_param in self.fsdp_params:
-            fsdp_param.alloc_unsharded()
         with ExitStack() as stack:
             # Autograd saved these tensors in forward; refilling them in backward must
             # not look like an in-place change to its version check.
@@ -273,7 +280,11 @@ class FSDPParamGroup:
                 result.output,
                 world_size,
                 source.split_nbytes,
-                [p.copy_out_target(world_size, is_post_forward) for p in self._all_gather_order],
+                [
+                    target
+                    for p in self._all_gather_order
+                    for target in p.copy_out_targets(world_size, is_post_forward)
+                ],
             )
             for fsdp_param in self.fsdp_params:
                 fsdp_param.finish_copy_out()
@@ -325,7 +336,7 @@ class FSDPParamGroup:
         if self.sharded_state != ShardedState.UNSHARDED:
             return
         k, j = post_forward.shard_size, post_forward.shard_rank
-        kept = [p.unsharded_rows(k)[j] for p in self._all_gather_order]  # each (W/k * bytes,)
+        kept = [p.unsharded_rows(k)[j] for p in self._plain_all_gather_order]  # each (W/k * bytes,)
         self._post_forward_buffer = torch.cat(kept)  # (W/k * shard_nbytes,) uint8
         self._record("reshard_post_forward")
         for fsdp_param in self.fsdp_params:
@@ -397,41 +408,55 @@ class FSDPParamGroup:
             return AllGatherSource(
                 self._post_forward_buffer,
                 self.post_forward_mesh_info,
-                [ratio * nbytes for nbytes in self._all_gather_split],
+                [ratio * nbytes for nbytes in self._plain_all_gather_split],
             )
         self.reset_sharded_params()  # ``param.data = ...`` since the last all-gather
         # CPU offload: one host-to-device copy of the whole group's shards.
         sharded = self.sharded_buffer.to(self.device, non_blocking=True)
-        if not self._casts_on_all_gather:
-            return AllGatherSource(sharded, self.mesh_info, self._all_gather_split)
-        return AllGatherSource(self._cast_copy_in(sharded), self.mesh_info, self._all_gather_split)
+        if not self._casts_on_all_gather and not self._has_extensions:
+            return AllGatherSource(sharded, self.mesh_info, self._plain_all_gather_split)
+        extension_inputs = [
+            t
+            for p in self._all_gather_order
+            if p.extension is not None
+            for t in p.extension_all_gather_inputs()
+        ]  # each 1-D
+        split = self._plain_all_gather_split + [t.numel() * t.itemsize for t in extension_inputs]
+        all_gather_input = torch.empty(sum(split), dtype=torch.uint8, device=self.device)
+        destinations = all_gather_input.split(split)
+        num_plain = len(self._plain_all_gather_order)
+        self._copy_in_plain(sharded, destinations[:num_plain])
+        if extension_inputs:
+            # As bytes: an extension's input may sit at any byte offset.
+            torch._foreach_copy_(
+                list(destinations[num_plain:]), [t.view(torch.uint8) for t in extension_inputs]
+            )
+        return AllGatherSource(all_gather_input, self.mesh_info, split)
 
-    def _cast_copy_in(self, sharded: torch.Tensor) -> torch.Tensor:
-        """Mixed precision: cast every padded shard to param_dtype into a new all-gather
-        input, so the wire carries low-precision bytes. One foreach kernel.
+    def _copy_in_plain(self, sharded: torch.Tensor, destinations: tuple[torch.Tensor, ...]) -> None:
+        """Copy the plain params' padded shards into their all-gather input segments,
+        casting to param_dtype (mixed precision: the wire carries low-precision bytes).
+        One foreach kernel.
 
         Args:
             sharded: the sharded buffer, on the compute device.
+            destinations: each plain param's segment (uint8, ``all_gather_nbytes``), in
+                `_plain_all_gather_order`.
         """
-        all_gather_input = torch.empty(
-            sum(self._all_gather_split), dtype=torch.uint8, device=sharded.device
-        )  # (sum of all_gather_nbytes,)
-        destinations = all_gather_input.split(self._all_gather_split)
         sources = dict(
             zip(
                 self.fsdp_params,
-                sharded.split([p.padded_shard_nbytes for p in self.fsdp_params]),
+                sharded.split([p.sharded_buffer_nbytes for p in self.fsdp_params]),
                 strict=True,
             )
         )
         torch._foreach_copy_(
             [
                 p.all_gather_input_view(dst)
-                for p, dst in zip(self._all_gather_order, destinations, strict=True)
+                for p, dst in zip(self._plain_all_gather_order, destinations, strict=True)
             ],
-            [p.padded_shard_view(sources[p]) for p in self._all_gather_order],
+            [p.padded_shard_view(sources[p]) for p in self._plain_all_gather_order],
         )
-        return all_gather_input
 
     def _wait_all_gather(self) -> AllGatherResult | None:
         result, self._all_gather = self._all_gather, None

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .extension import has_all_gather_extension
 from .mesh import (
     MeshInfo,
     default_mesh,
@@ -60,6 +61,8 @@ def plan_sharding(
     params = _collect_params(modules, set(ignored_params or ()), mesh_info, shard_placement_fn)
     _validate_reduce_dtypes(params, mp_policy)
     _validate_devices(params, device)
+    if _is_hpz(reshard_after_forward, mesh_info):
+        _validate_no_extensions_for_hpz(params, reshard_after_forward)
     return ShardingPlan(
         modules=modules,
         mesh_info=mesh_info,
@@ -71,6 +74,21 @@ def plan_sharding(
             reshard_after_forward if _is_hpz(reshard_after_forward, mesh_info) else None  # type: ignore[arg-type]
         ),
     )
+
+
+def _validate_no_extensions_for_hpz(
+    params: list[ParamToShard], reshard_after_forward: bool | int | None
+) -> None:
+    extended = [p.fqn for p in params if has_all_gather_extension(p.data)]
+    if extended:
+        # torch's FSDP2 accepts the call and raises NotImplementedError at the first
+        # backward all-gather; ours says so before anything is sharded.
+        raise NotImplementedError(
+            f"fully_shard(reshard_after_forward={reshard_after_forward}): resharding to a "
+            "smaller mesh after forward is not supported for parameters with all-gather "
+            f"extensions (fsdp_pre_all_gather): {extended}. Use reshard_after_forward=True "
+            "or False for this module"
+        )
 
 
 def mark_replaced(source: ParamToShard, group_name: str) -> None:
@@ -228,6 +246,10 @@ def _param_to_shard(
             "Make it contiguous before fully_shard, e.g. "
             "module.weight = nn.Parameter(module.weight.contiguous())"
         )
+    try:
+        has_all_gather_extension(data)
+    except AssertionError as error:
+        raise AssertionError(f"fully_shard({root_name}): parameter '{fqn}': {error}") from None
     shard_dim = _shard_dim(root_name, fqn, data, mesh_info, shard_placement_fn, param)
     try:
         layout = spmd_layout(mesh_info, param, fqn, shard_dim)
