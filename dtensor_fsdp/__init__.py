@@ -5,6 +5,7 @@ A drop-in for ``torch.distributed.fsdp``'s FSDP2 API: switch with one import lin
 
 from .api import (
     AllGather,
+    CommPrecisionPolicy,
     CPUOffloadPolicy,
     DataParallelMeshDims,
     MixedPrecisionPolicy,
@@ -26,6 +27,7 @@ __all__ = [
     "AllGather",
     "CPUOffloadPolicy",
     "CommEvent",
+    "CommPrecisionPolicy",
     "CommTrace",
     "DataParallelMeshDims",
     "FSDPModule",

@@ -5,7 +5,7 @@ between ``fully_shard`` calls without one call's mutation leaking into another.
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,3 +104,78 @@ class ReduceScatter(Comm):
         op: ReduceOp,
         async_op: bool = False,
     ) -> dist.Work | None: ...
+
+
+def _is_matrix(fqn: str, param: torch.nn.Parameter) -> bool:
+    """The default `CommPrecisionPolicy.param_filter`: weight matrices (and embeddings)
+    are quantized; norms, biases and other 1-D params stay exact: they are a sliver of the
+    bytes, and their values (a gain near 1, small offsets) do not share a scale well."""
+    return param.ndim >= 2
+
+
+@dataclass(frozen=True)
+class CommPrecisionPolicy:
+    """What the wire carries, per direction: quantized communication (ZeRO++'s qwZ and
+    qgZ) without subclassing the model. dtensor_fsdp only: not in torch.
+
+    Sharded params, their grads and the optimizer state keep their dtype; only the bytes
+    of the collectives change. Every rank dequantizes the same gathered bytes (its own
+    shard included), so all ranks compute with identical weights. Set it with
+    ``FSDPModule.set_comm_precision``; its cost is accuracy (see README, "Quantized
+    communication").
+
+    Attributes:
+        all_gather: the all-gather wire format of the selected params: ``"bf16"``,
+            ``"int8"`` or ``"fp8_e4m3"`` (block-wise scales carried in the same buffer);
+            ``None`` all-gathers them exactly (in ``MixedPrecisionPolicy.param_dtype``).
+        reduce_scatter: the gradients' wire format: ``"bf16"`` or ``"int8"`` (block-wise),
+            sent by one all-to-all and summed in fp32 after dequantization, never in the
+            low precision; ``None`` reduces exactly.
+        block_size: elements per quantization block (a positive multiple of 4); the scales
+            cost 4 bytes per block. Smaller blocks track magnitudes better
+            (``python -m dtensor_fsdp.quant_error`` prints the error per block size).
+        error_feedback: keep each rank's gradient quantization error and add it to the next
+            step's gradient before quantizing (error compensation), so the error does not
+            accumulate in the weights. Costs one fp32 buffer of the unsharded gradient size
+            per quantized param per rank.
+        replicate_only: HSDP: quantize only the all-reduce over the replicate axis (the
+            inter-node leg) with ``reduce_scatter``'s format; the shard-axis all-gather
+            and reduce-scatter stay exact. ``all_gather`` must then be ``None``.
+        param_filter: ``(fqn, param) -> bool``: which params are quantized; the rest are
+            communicated exactly. Default: params with 2 or more dims.
+    """
+
+    all_gather: str | None = None
+    reduce_scatter: str | None = None
+    block_size: int = 256
+    error_feedback: bool = False
+    replicate_only: bool = False
+    param_filter: Callable[[str, torch.nn.Parameter], bool] = _is_matrix
+
+    def __post_init__(self) -> None:
+        if self.all_gather not in (None, "bf16", "int8", "fp8_e4m3"):
+            raise ValueError(
+                "CommPrecisionPolicy.all_gather must be None, 'bf16', 'int8' or 'fp8_e4m3', "
+                f"got {self.all_gather!r}"
+            )
+        if self.reduce_scatter not in (None, "bf16", "int8"):
+            raise ValueError(
+                "CommPrecisionPolicy.reduce_scatter must be None, 'bf16' or 'int8', "
+                f"got {self.reduce_scatter!r}"
+            )
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
+            raise TypeError(
+                f"CommPrecisionPolicy.block_size must be an int, got {self.block_size!r}"
+            )
+        if self.block_size <= 0 or self.block_size % 4:
+            raise ValueError(
+                "CommPrecisionPolicy.block_size must be a positive multiple of 4, "
+                f"got {self.block_size}"
+            )
+        if self.error_feedback and self.reduce_scatter is None:
+            raise ValueError("CommPrecisionPolicy: error_feedback needs a reduce_scatter format")
+        if self.replicate_only and (self.all_gather is not None or self.reduce_scatter is None):
+            raise ValueError(
+                "CommPrecisionPolicy(replicate_only=True) quantizes only HSDP's replicate "
+                "all-reduce: set reduce_scatter (its format) and leave all_gather None"
+            )

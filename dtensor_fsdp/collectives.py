@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ._tensor_utils import chunk_rows
 from .api import AllGather, ReduceScatter
 from .mesh import backend_for
+from .wire_format import WireLayout, decode, decode_sum, encode
 
 # torch 2.13 renamed the single-tensor collectives and deprecated the old names; 2.11
 # has only the old ones. Same signature either way.
@@ -129,21 +130,21 @@ def all_gather(
 
 
 def copy_out(
-    all_gather_output: torch.Tensor,
-    world_size: int,
+    rows: torch.Tensor,
     split_nbytes: list[int],
     outputs: list[torch.Tensor],
 ) -> None:
     """Scatter the rank-major all-gather output into each parameter's padded buffer.
 
     Args:
-        all_gather_output: (W * shard_nbytes,) uint8.
-        split_nbytes: each parameter's padded shard bytes, in buffer order.
+        rows: (W, sum of split_nbytes) uint8: the all-gather output, row r from rank r
+            (or the exactly copied columns of it).
+        split_nbytes: each column's bytes per rank, in order.
         outputs: where each column goes, as (W, its bytes) uint8 (a padded unsharded
             buffer, or an all-gather extension's output).
     """
-    rows = all_gather_output.view(world_size, -1)  # (W, shard_nbytes)
-    torch.split_with_sizes_copy(rows, split_nbytes, dim=1, out=outputs)
+    if outputs:
+        torch.split_with_sizes_copy(rows, split_nbytes, dim=1, out=outputs)
 
 
 def reduce_scatter(
@@ -207,3 +208,134 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool) ->
 
 def _padded_chunk_numel(tensor: torch.Tensor, world_size: int) -> int:
     return chunk_rows(tensor.shape[0], world_size) * math.prod(tensor.shape[1:])
+
+
+@dataclass(frozen=True)
+class QuantizedReduceScatterResult:
+    """An issued quantized reduce-scatter (``CommPrecisionPolicy.reduce_scatter``): one
+    all-to-all of every rank's chunks, exact ones as ``reduce_dtype`` bytes, quantized ones
+    encoded; `finish_reduce_scatter` decodes and sums them in fp32."""
+
+    input: torch.Tensor  # (W, exact_nbytes + wire.nbytes) uint8: row r goes to rank r
+    output: torch.Tensor  # (W, same) uint8: row r came from rank r
+    work: dist.Work | None
+    plan: ReductionPlan
+    input_nbytes: int
+    exact_numels: list[int]  # per exact grad, its chunk's elements (in the row's order)
+    wire: WireLayout
+    is_quantized: list[bool]  # per grad in the caller's order
+    reduce_dtype: torch.dtype
+
+
+def quantized_reduce_scatter(
+    unsharded_grads: list[torch.Tensor],
+    is_quantized: list[bool],
+    reduce_dtype: torch.dtype,
+    group: dist.ProcessGroup,
+    plan: ReductionPlan,
+    fmt: str,
+    block_size: int,
+    residuals: list[torch.Tensor | None] | None,
+) -> QuantizedReduceScatterResult:
+    """Issue one all-to-all carrying, for each destination rank, its chunk of every grad:
+    the exact ones as ``reduce_dtype`` bytes, the quantized ones block-wise encoded.
+
+    Args:
+        unsharded_grads: each of the original param's shape, all of ``reduce_dtype``.
+        is_quantized: per grad, whether it travels encoded.
+        residuals: error feedback (or None): per grad, None or its (W, chunk numel) fp32
+            quantization error from the last step, added before encoding and replaced in
+            place by this step's.
+    """
+    world_size = group.size()
+    device = unsharded_grads[0].device
+    exact = [g for g, q in zip(unsharded_grads, is_quantized, strict=True) if not q]
+    exact_numels = [_padded_chunk_numel(g, world_size) for g in exact]
+    chunks = []  # per quantized grad, (W, padded chunk numel): row r is rank r's chunk
+    for grad, quantized in zip(unsharded_grads, is_quantized, strict=True):
+        if quantized:
+            rows = torch.empty(
+                (world_size, _padded_chunk_numel(grad, world_size)), dtype=grad.dtype, device=device
+            )
+            torch._chunk_cat([grad], dim=0, num_chunks=world_size, out=rows)
+            chunks.append(rows)
+    wire = WireLayout(fmt, block_size, tuple(c.shape[1] for c in chunks))
+    exact_nbytes = sum(exact_numels) * reduce_dtype.itemsize
+    send = torch.empty((world_size, exact_nbytes + wire.nbytes), dtype=torch.uint8, device=device)
+    if exact:
+        exact_rows = torch.empty((world_size, sum(exact_numels)), dtype=reduce_dtype, device=device)
+        torch._chunk_cat(exact, dim=0, num_chunks=world_size, out=exact_rows)
+        send[:, :exact_nbytes].copy_(exact_rows.view(torch.uint8))
+    residual_list = (
+        [r for r, q in zip(residuals, is_quantized, strict=True) if q] if residuals else None
+    )
+    if residual_list is not None:
+        # Error feedback: send g + e, keep e' = (g + e) - decode(encode(g + e)).
+        chunks = [
+            c.float().add_(r) if r is not None else c.float()
+            for c, r in zip(chunks, residual_list, strict=True)
+        ]
+    encode(chunks, wire, send[:, exact_nbytes:])
+    if residual_list is not None:
+        sent = [torch.empty_like(c) for c in chunks]
+        decode(send[:, exact_nbytes:], wire, sent)
+        for residual, chunk, decoded in zip(residual_list, chunks, sent, strict=True):
+            if residual is not None:
+                torch.sub(chunk, decoded, out=residual)
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return QuantizedReduceScatterResult(
+        input=send,
+        output=recv,
+        work=work,
+        plan=plan,
+        input_nbytes=send.numel(),
+        exact_numels=exact_numels,
+        wire=wire,
+        is_quantized=is_quantized,
+        reduce_dtype=reduce_dtype,
+    )
+
+
+def finish_quantized_reduce_scatter(result: QuantizedReduceScatterResult) -> torch.Tensor:
+    """This rank's summed chunk of every grad, (shard_numel,) in ``reduce_dtype``, in the
+    grads' order, once ``result.work`` is waited. Exact chunks are summed in
+    ``reduce_dtype`` as the exact path does; quantized ones in fp32 after decoding."""
+    exact_nbytes = sum(result.exact_numels) * result.reduce_dtype.itemsize
+    # (W, exact elements): contiguous first, the row stride may not fit the dtype's size.
+    exact_sum = result.output[:, :exact_nbytes].contiguous().view(result.reduce_dtype).sum(dim=0)
+    exact_iter = iter(exact_sum.split(result.exact_numels))
+    quantized_iter = iter(decode_sum(result.output[:, exact_nbytes:], result.wire))
+    parts = [
+        next(quantized_iter) if quantized else next(exact_iter) for quantized in result.is_quantized
+    ]
+    return torch.cat([p.to(result.reduce_dtype) for p in parts])
+
+
+def quantized_all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, fmt: str, block_size: int
+) -> tuple[torch.Tensor, int]:
+    """Sum ``tensor`` (1-D) over ``group`` with quantized wire bytes and fp32 sums: an
+    all-to-all of encoded chunks (each rank sums its chunk in fp32 after decoding), then
+    an all-gather of the encoded sums. HSDP's inter-node leg (ZeRO++'s qgZ).
+
+    Returns:
+        The sum (a new tensor of ``tensor``'s dtype) and the bytes sent per rank.
+    """
+    size = group.size()
+    chunk = math.ceil(tensor.numel() / size)
+    padded = torch.zeros(size * chunk, dtype=torch.float32, device=tensor.device)
+    padded[: tensor.numel()].copy_(tensor)
+    wire = WireLayout(fmt, block_size, (chunk,))
+    send = torch.empty((size, wire.nbytes), dtype=torch.uint8, device=tensor.device)
+    encode([padded.view(size, chunk)], wire, send)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    (my_sum,) = decode_sum(recv, wire)  # (chunk,) fp32: this rank's chunk, summed
+    mine = torch.empty((1, wire.nbytes), dtype=torch.uint8, device=tensor.device)
+    encode([my_sum.view(1, chunk)], wire, mine)
+    gathered = torch.empty((size, wire.nbytes), dtype=torch.uint8, device=tensor.device)
+    _all_gather_single(gathered.view(-1), mine.view(-1), group=group)
+    total = torch.empty((size, chunk), dtype=torch.float32, device=tensor.device)
+    decode(gathered, wire, [total])
+    return total.view(-1)[: tensor.numel()].to(tensor.dtype), 2 * send.numel()

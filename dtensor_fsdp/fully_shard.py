@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .api import (
     AllGather,
+    CommPrecisionPolicy,
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -333,6 +334,26 @@ class FSDPModule:
         for state in states:
             if state.group is not None:
                 state.group.trace = trace
+
+    def set_comm_precision(
+        self, policy: CommPrecisionPolicy | None, *, recurse: bool = True
+    ) -> None:
+        """Quantized communication: what the all-gather and the gradient reduction carry
+        for this module's groups (``recurse``: and every FSDP module under it) from the
+        next collective on; ``None`` communicates exactly again. Per-group opt-out: call
+        it with ``None`` on a submodule after setting it on the root. dtensor_fsdp only:
+        not in torch.
+
+        Raises:
+            TypeError: ``policy`` is not a ``CommPrecisionPolicy`` or None.
+        """
+        if policy is not None and not isinstance(policy, CommPrecisionPolicy):
+            raise TypeError(
+                f"set_comm_precision expects a CommPrecisionPolicy or None, got {policy!r}"
+            )
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.set_comm_precision(policy)
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
         """Run this group's all-gathers with ``comm``, which also allocates their output.

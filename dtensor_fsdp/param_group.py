@@ -29,7 +29,13 @@ import torch
 import torch.nn as nn
 
 from ._tensor_utils import ShardGeometry
-from .api import AllGather, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .api import (
+    AllGather,
+    CommPrecisionPolicy,
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 from .collectives import (
     AllGatherResult,
     all_gather,
@@ -41,6 +47,7 @@ from .param import FSDPParam, ParamToShard, ShardedState
 from .reduction import GradientReduction
 from .scheduler import CommContext
 from .trace import CommEvent, CommTrace, LifecycleEvent
+from .wire_format import WireLayout, decode, encode
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,10 @@ class AllGatherSource:
 
     input: torch.Tensor  # 1-D uint8
     mesh_info: MeshInfo
-    split_nbytes: list[int]  # each param's bytes per rank of the all-gather
+    split_nbytes: list[int]  # bytes per rank of each exactly copied column
+    # CommPrecisionPolicy.all_gather: the quantized params' encoded shards, after the
+    # exact columns in each rank's bytes.
+    wire: WireLayout | None = None
 
 
 class TrainingState(Enum):
@@ -102,6 +112,7 @@ class FSDPParamGroup:
         self.device = device
         self.offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
         self.fsdp_params = self._shard(params, self._sharded_device(device), mp_policy)
+        self.comm_precision: CommPrecisionPolicy | None = None  # set_comm_precision
         self._init_all_gather_layout()
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
@@ -163,14 +174,49 @@ class FSDPParamGroup:
         # sharded buffer in place and this order is the buffer's; otherwise a copy-in
         # builds the all-gather input in this order (largest param_dtype first again, so
         # the cast writes aligned views).
+        # CommPrecisionPolicy.all_gather: the selected params travel encoded, at the end.
         plain = [p for p in self.fsdp_params if p.extension is None]
-        self._plain_all_gather_order = sorted(plain, key=lambda p: -p.param_dtype.itemsize)
+        quantized = [p for p in plain if self._quantizes_all_gather(p)]
+        self._quantized_all_gather_order = quantized
+        self._plain_all_gather_order = sorted(
+            (p for p in plain if p not in quantized), key=lambda p: -p.param_dtype.itemsize
+        )
+        self._plain_all_gather_split = [p.all_gather_nbytes for p in self._plain_all_gather_order]
+        # Exactly copied columns of a full all-gather, in order.
         self._all_gather_order = self._plain_all_gather_order + [
             p for p in self.fsdp_params if p.extension is not None
         ]
-        self._plain_all_gather_split = [p.all_gather_nbytes for p in self._plain_all_gather_order]
+        self._all_gather_wire = (
+            WireLayout(
+                self.comm_precision.all_gather,
+                self.comm_precision.block_size,
+                tuple(p.padded_shard_numel for p in quantized),
+            )
+            if quantized and self.comm_precision is not None
+            else None
+        )
+        # hpZ re-gathers the post-forward buffer exactly: every plain param (no extension
+        # there: fully_shard refuses it), quantized or not, as unsharded bytes.
+        self._post_forward_order = self._plain_all_gather_order + quantized
         self._casts_on_all_gather = any(p.param_dtype != p.dtype for p in plain)
-        self._has_extensions = len(plain) < len(self.fsdp_params)
+        self._copies_in = (
+            self._casts_on_all_gather or len(plain) < len(self.fsdp_params) or bool(quantized)
+        )
+
+    def _quantizes_all_gather(self, fsdp_param: FSDPParam) -> bool:
+        policy = self.comm_precision
+        return (
+            policy is not None
+            and policy.all_gather is not None
+            and fsdp_param.param_dtype.is_floating_point
+            and policy.param_filter(fsdp_param.fqn, fsdp_param.sharded_param)
+        )
+
+    def set_comm_precision(self, policy: CommPrecisionPolicy | None) -> None:
+        """What the wire carries from now on (see `CommPrecisionPolicy`)."""
+        self.comm_precision = policy
+        self.reduction.set_comm_precision(policy)
+        self._init_all_gather_layout()
 
     def _sharded_device(self, device: torch.device) -> torch.device:
         if self.offload is None or device.type == "meta":
@@ -276,16 +322,24 @@ class FSDPParamGroup:
             for tensor in (t for p in self.fsdp_params for t in p.version_tracked()):
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
             is_post_forward = source.mesh_info is not self.mesh_info
+            exact = self._post_forward_order if is_post_forward else self._all_gather_order
+            rows = result.output.view(world_size, -1)  # (W, bytes per rank)
+            exact_nbytes = sum(source.split_nbytes)
             copy_out(
-                result.output,
-                world_size,
+                rows[:, :exact_nbytes],
                 source.split_nbytes,
-                [
-                    target
-                    for p in self._all_gather_order
-                    for target in p.copy_out_targets(world_size, is_post_forward)
-                ],
+                [t for p in exact for t in p.copy_out_targets(world_size, is_post_forward)],
             )
+            if source.wire is not None:
+                # Every rank decodes the same bytes, its own shard's too: identical weights.
+                decode(
+                    rows[:, exact_nbytes:],
+                    source.wire,
+                    [
+                        p.copy_out_targets(world_size, False)[0].view(p.param_dtype)
+                        for p in self._quantized_all_gather_order
+                    ],  # each (W, padded_shard_numel)
+                )
             for fsdp_param in self.fsdp_params:
                 fsdp_param.finish_copy_out()
         for fsdp_param in self.fsdp_params:
@@ -336,7 +390,7 @@ class FSDPParamGroup:
         if self.sharded_state != ShardedState.UNSHARDED:
             return
         k, j = post_forward.shard_size, post_forward.shard_rank
-        kept = [p.unsharded_rows(k)[j] for p in self._plain_all_gather_order]  # each (W/k * bytes,)
+        kept = [p.unsharded_rows(k)[j] for p in self._post_forward_order]  # each (W/k * bytes,)
         self._post_forward_buffer = torch.cat(kept)  # (W/k * shard_nbytes,) uint8
         self._record("reshard_post_forward")
         for fsdp_param in self.fsdp_params:
@@ -408,12 +462,12 @@ class FSDPParamGroup:
             return AllGatherSource(
                 self._post_forward_buffer,
                 self.post_forward_mesh_info,
-                [ratio * nbytes for nbytes in self._plain_all_gather_split],
+                [ratio * p.all_gather_nbytes for p in self._post_forward_order],
             )
         self.reset_sharded_params()  # ``param.data = ...`` since the last all-gather
         # CPU offload: one host-to-device copy of the whole group's shards.
         sharded = self.sharded_buffer.to(self.device, non_blocking=True)
-        if not self._casts_on_all_gather and not self._has_extensions:
+        if not self._copies_in:
             return AllGatherSource(sharded, self.mesh_info, self._plain_all_gather_split)
         extension_inputs = [
             t
@@ -422,27 +476,14 @@ class FSDPParamGroup:
             for t in p.extension_all_gather_inputs()
         ]  # each 1-D
         split = self._plain_all_gather_split + [t.numel() * t.itemsize for t in extension_inputs]
-        all_gather_input = torch.empty(sum(split), dtype=torch.uint8, device=self.device)
-        destinations = all_gather_input.split(split)
+        wire = self._all_gather_wire
+        all_gather_input = torch.empty(
+            sum(split) + (wire.nbytes if wire is not None else 0),
+            dtype=torch.uint8,
+            device=self.device,
+        )  # (bytes per rank,): exact columns, then the encoded ones
+        destinations = all_gather_input.split([*split, all_gather_input.numel() - sum(split)])
         num_plain = len(self._plain_all_gather_order)
-        self._copy_in_plain(sharded, destinations[:num_plain])
-        if extension_inputs:
-            # As bytes: an extension's input may sit at any byte offset.
-            torch._foreach_copy_(
-                list(destinations[num_plain:]), [t.view(torch.uint8) for t in extension_inputs]
-            )
-        return AllGatherSource(all_gather_input, self.mesh_info, split)
-
-    def _copy_in_plain(self, sharded: torch.Tensor, destinations: tuple[torch.Tensor, ...]) -> None:
-        """Copy the plain params' padded shards into their all-gather input segments,
-        casting to param_dtype (mixed precision: the wire carries low-precision bytes).
-        One foreach kernel.
-
-        Args:
-            sharded: the sharded buffer, on the compute device.
-            destinations: each plain param's segment (uint8, ``all_gather_nbytes``), in
-                `_plain_all_gather_order`.
-        """
         sources = dict(
             zip(
                 self.fsdp_params,
@@ -450,6 +491,38 @@ class FSDPParamGroup:
                 strict=True,
             )
         )
+        self._copy_in_plain(sources, destinations[:num_plain])
+        if extension_inputs:
+            # As bytes: an extension's input may sit at any byte offset.
+            torch._foreach_copy_(
+                list(destinations[num_plain:-1]), [t.view(torch.uint8) for t in extension_inputs]
+            )
+        if wire is not None:
+            # Encoded from the sharded (master) values, not from a param_dtype copy.
+            encode(
+                [
+                    p.padded_shard_view(sources[p]).view(1, -1)
+                    for p in self._quantized_all_gather_order
+                ],
+                wire,
+                destinations[-1].view(1, -1),
+            )
+        return AllGatherSource(all_gather_input, self.mesh_info, split, wire)
+
+    def _copy_in_plain(
+        self, sources: dict[FSDPParam, torch.Tensor], destinations: tuple[torch.Tensor, ...]
+    ) -> None:
+        """Copy the plain params' padded shards into their all-gather input segments,
+        casting to param_dtype (mixed precision: the wire carries low-precision bytes).
+        One foreach kernel.
+
+        Args:
+            sources: each param's segment of the sharded buffer, on the compute device.
+            destinations: each plain param's segment (uint8, ``all_gather_nbytes``), in
+                `_plain_all_gather_order`.
+        """
+        if not self._plain_all_gather_order:
+            return
         torch._foreach_copy_(
             [
                 p.all_gather_input_view(dst)

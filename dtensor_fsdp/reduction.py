@@ -8,17 +8,22 @@ parallel world size (or the user's factor), runs the user's all-reduce hook and 
 each parameter's chunk on its sharded ``.grad``.
 """
 
+import dataclasses
 import time
 from collections.abc import Callable
 
 import torch
 
-from .api import ReduceScatter
+from .api import CommPrecisionPolicy, ReduceScatter
 from .collectives import (
+    QuantizedReduceScatterResult,
     ReduceScatterResult,
     ReductionPlan,
     all_reduce,
+    finish_quantized_reduce_scatter,
     finish_reduce_scatter,
+    quantized_all_reduce,
+    quantized_reduce_scatter,
     reduce_scatter,
 )
 from .mesh import MeshInfo
@@ -53,6 +58,25 @@ class GradientReduction:
         self.custom_reduce_scatter: ReduceScatter | None = None
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.reduce_scatter_unused_params = False
+        self.comm_precision: CommPrecisionPolicy | None = None
+        # CommPrecisionPolicy.error_feedback: per quantized param, its (W, padded chunk
+        # numel) fp32 quantization error of the last reduce-scatter.
+        self._residuals: dict[FSDPParam, torch.Tensor] = {}
+
+    def set_comm_precision(self, policy: CommPrecisionPolicy | None) -> None:
+        self.comm_precision = policy
+        self._residuals.clear()
+
+    def _quantizes_reduce_scatter(self, fsdp_param: FSDPParam) -> bool:
+        policy = self.comm_precision
+        return (
+            policy is not None
+            and policy.reduce_scatter is not None
+            and not policy.replicate_only
+            and self.custom_reduce_scatter is None
+            and fsdp_param.reduce_dtype.is_floating_point
+            and policy.param_filter(fsdp_param.fqn, fsdp_param.sharded_param)
+        )
 
     def reduce_scatter(self, ctx: CommContext) -> None:
         """Issue one reduce-scatter of every unsharded grad of the group; ``ctx`` finishes
@@ -80,14 +104,39 @@ class GradientReduction:
             and reduce_dtype in _NO_OVERFLOW_RISK,
             custom=self.custom_reduce_scatter,
         )
+        is_quantized = [self._quantizes_reduce_scatter(p) for p in with_grad]
+        policy = self.comm_precision
+        if policy is not None and policy.reduce_scatter is not None:
+            # Quantized legs sum in fp32 after decoding: no collective averages.
+            plan = dataclasses.replace(
+                plan,
+                use_all_to_all=plan.use_all_to_all or any(is_quantized),
+                average_in_reduce_scatter=plan.average_in_reduce_scatter and not any(is_quantized),
+                average_in_all_reduce=False,
+            )
         grads = [grad.to(reduce_dtype) for _, grad in to_reduce if grad is not None]
         pre_divisor, post_divisor = self._divisors(plan, reduce_dtype)
         if pre_divisor != 1.0:
             grads = torch._foreach_div(grads, pre_divisor)
         issued_s = time.perf_counter()
-        result = reduce_scatter(
-            grads, reduce_dtype, self.mesh_info.shard_group, plan, async_op=True
-        )
+        if any(is_quantized):
+            assert policy is not None and policy.reduce_scatter is not None
+            result = quantized_reduce_scatter(
+                grads,
+                is_quantized,
+                reduce_dtype,
+                self.mesh_info.shard_group,
+                plan,
+                policy.reduce_scatter,
+                policy.block_size,
+                self._error_feedback_residuals(with_grad, is_quantized)
+                if policy.error_feedback
+                else None,
+            )
+        else:
+            result = reduce_scatter(
+                grads, reduce_dtype, self.mesh_info.shard_group, plan, async_op=True
+            )
         # The grads now live in the reduce-scatter input: free the unsharded ones.
         for fsdp_param in with_grad:
             fsdp_param.clear_unsharded_grad()
@@ -95,6 +144,25 @@ class GradientReduction:
             lambda: self._finish(result, with_grad, post_divisor, issued_s),
             lambda: result.work.wait() if result.work is not None else None,
         )
+
+    def _error_feedback_residuals(
+        self, params: list[FSDPParam], is_quantized: list[bool]
+    ) -> list[torch.Tensor | None]:
+        world_size = self.mesh_info.shard_size
+        residuals: list[torch.Tensor | None] = []
+        for fsdp_param, quantized in zip(params, is_quantized, strict=True):
+            if not quantized:
+                residuals.append(None)
+                continue
+            if fsdp_param not in self._residuals:
+                # Row r: the error of this rank's contribution to rank r's shard.
+                self._residuals[fsdp_param] = torch.zeros(
+                    (world_size, fsdp_param.padded_shard_numel),
+                    dtype=torch.float32,
+                    device=fsdp_param.compute_device,
+                )
+            residuals.append(self._residuals[fsdp_param])
+        return residuals
 
     def _divisors(self, plan: ReductionPlan, reduce_dtype: torch.dtype) -> tuple[float, float]:
         """(before, after) the reduction: the gradient average over every data-parallel
@@ -115,7 +183,7 @@ class GradientReduction:
 
     def _finish(
         self,
-        result: ReduceScatterResult,
+        result: ReduceScatterResult | QuantizedReduceScatterResult,
         with_grad: list[FSDPParam],
         post_divisor: float,
         issued_s: float,
@@ -124,7 +192,11 @@ class GradientReduction:
         if result.work is not None:
             result.work.wait()
         self._record_comm("reduce_scatter", result.input_nbytes, issued_s, wait_s, phase="backward")
-        reduced = finish_reduce_scatter(result)  # (sum of padded chunk numels,)
+        reduced = (
+            finish_quantized_reduce_scatter(result)
+            if isinstance(result, QuantizedReduceScatterResult)
+            else finish_reduce_scatter(result)
+        )  # (sum of padded chunk numels,)
         params = with_grad
         if self.mesh_info.is_hsdp:
             if not self.requires_all_reduce:
@@ -167,10 +239,17 @@ class GradientReduction:
             fsdp_param.partial_reduced_grad = None
         flat = torch.cat(parts)  # (sum of padded chunk numels,)
         issued_s = time.perf_counter()
-        all_reduce(flat, self.mesh_info.replicate_group, average)
+        policy = self.comm_precision
+        nbytes = flat.numel() * flat.element_size()
+        if policy is not None and policy.reduce_scatter is not None:
+            flat, nbytes = quantized_all_reduce(
+                flat, self.mesh_info.replicate_group, policy.reduce_scatter, policy.block_size
+            )
+        else:
+            all_reduce(flat, self.mesh_info.replicate_group, average)
         self._record_comm(
             "all_reduce",
-            flat.numel() * flat.element_size(),
+            nbytes,
             issued_s,
             issued_s,
             phase="backward",
