@@ -62,7 +62,7 @@ def plan_sharding(
     _validate_reduce_dtypes(params, mp_policy)
     _validate_devices(params, device)
     if _is_hpz(reshard_after_forward, mesh_info):
-        _validate_no_extensions_for_hpz(params, reshard_after_forward)
+        _validate_no_extensions_for_hpz(modules, params, reshard_after_forward)
     return ShardingPlan(
         modules=modules,
         mesh_info=mesh_info,
@@ -77,14 +77,17 @@ def plan_sharding(
 
 
 def _validate_no_extensions_for_hpz(
-    params: list[ParamToShard], reshard_after_forward: bool | int | None
+    modules: tuple[nn.Module, ...],
+    params: list[ParamToShard],
+    reshard_after_forward: bool | int | None,
 ) -> None:
     extended = [p.fqn for p in params if has_all_gather_extension(p.data)]
     if extended:
         # torch's FSDP2 accepts the call and raises NotImplementedError at the first
         # backward all-gather; ours says so before anything is sharded.
         raise NotImplementedError(
-            f"fully_shard(reshard_after_forward={reshard_after_forward}): resharding to a "
+            f"fully_shard({type(modules[0]).__name__}, reshard_after_forward="
+            f"{reshard_after_forward}): resharding to a "
             "smaller mesh after forward is not supported for parameters with all-gather "
             f"extensions (fsdp_pre_all_gather): {extended}. Use reshard_after_forward=True "
             "or False for this module"
