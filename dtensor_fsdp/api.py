@@ -141,8 +141,10 @@ class CommPrecisionPolicy:
         replicate_only: HSDP: quantize only the all-reduce over the replicate axis (the
             inter-node leg) with ``reduce_scatter``'s format; the shard-axis all-gather
             and reduce-scatter stay exact. ``all_gather`` must then be ``None``.
-        param_filter: ``(fqn, param) -> bool``: which params are quantized; the rest are
-            communicated exactly. Default: params with 2 or more dims.
+        param_filter: ``(fqn, param) -> bool``: which params are quantized (in every
+            leg, HSDP's replicate all-reduce included); the rest are communicated
+            exactly. ``fqn`` is relative to the module passed to that ``fully_shard``
+            call; ``param`` is the sharded param. Default: params with 2 or more dims.
     """
 
     all_gather: str | None = None

@@ -237,16 +237,36 @@ class GradientReduction:
                 chunk if partial is None else partial if chunk is None else partial + chunk
             )
             fsdp_param.partial_reduced_grad = None
-        flat = torch.cat(parts)  # (sum of padded chunk numels,)
         issued_s = time.perf_counter()
         policy = self.comm_precision
-        nbytes = flat.numel() * flat.element_size()
-        if policy is not None and policy.reduce_scatter is not None:
-            flat, nbytes = quantized_all_reduce(
-                flat, self.mesh_info.replicate_group, policy.reduce_scatter, policy.block_size
+        is_quantized = [
+            policy is not None
+            and policy.reduce_scatter is not None
+            and policy.param_filter(p.fqn, p.sharded_param)
+            for p in params
+        ]
+        exact = [t for t, q in zip(parts, is_quantized, strict=True) if not q]
+        quantized = [t for t, q in zip(parts, is_quantized, strict=True) if q]
+        nbytes = 0
+        if exact:
+            exact_flat = torch.cat(exact)  # (exact padded chunk numels,)
+            all_reduce(exact_flat, self.mesh_info.replicate_group, average)
+            nbytes += exact_flat.numel() * exact_flat.element_size()
+            exact = list(exact_flat.split([t.numel() for t in exact]))
+        if quantized:
+            assert policy is not None and policy.reduce_scatter is not None
+            quantized_flat, quantized_nbytes = quantized_all_reduce(
+                torch.cat(quantized),
+                self.mesh_info.replicate_group,
+                policy.reduce_scatter,
+                policy.block_size,
             )
-        else:
-            all_reduce(flat, self.mesh_info.replicate_group, average)
+            nbytes += quantized_nbytes
+            quantized = list(quantized_flat.split([t.numel() for t in quantized]))
+        exact_iter, quantized_iter = iter(exact), iter(quantized)
+        flat = torch.cat(
+            [next(quantized_iter) if q else next(exact_iter) for q in is_quantized]
+        )  # (sum of padded chunk numels,)
         self._record_comm(
             "all_reduce",
             nbytes,

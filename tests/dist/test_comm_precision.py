@@ -678,7 +678,7 @@ def _expected_hsdp_ops(rs: str | None, replicate: str | None) -> Counter:
     all-to-all over the shard axis (2 ranks, as at W=2), then the replicate leg: one
     exact all-reduce of the padded shard, or with ``replicate`` an all-to-all of every
     rank's encoded chunks (the shard split in 2) and an all-gather of the encoded sums.
-    The replicate leg encodes the group's whole reduced shard, biases included."""
+    Params the filter leaves out (biases) are all-reduced exactly, in one all-reduce."""
     expected: Counter = Counter()
     for group, shards in _group_shards(HSDP_SHARD).items():
         ag_bytes = HSDP_SHARD * _row_nbytes(shards, None, 256)
@@ -688,7 +688,11 @@ def _expected_hsdp_ops(rs: str | None, replicate: str | None) -> Counter:
         if replicate is None:
             expected[(_AR, 4 * shard_numel)] += 1
             continue
-        row = _wire_nbytes(replicate, 256, [math.ceil(shard_numel / HSDP_REPLICATE)])
+        exact_numel = sum(n for n, q in shards if not q)
+        if exact_numel:
+            expected[(_AR, 4 * exact_numel)] += 1
+        quantized_numel = shard_numel - exact_numel
+        row = _wire_nbytes(replicate, 256, [math.ceil(quantized_numel / HSDP_REPLICATE)])
         expected[(_A2A, HSDP_REPLICATE * row)] += 1
         expected[(_AG, HSDP_REPLICATE * row)] += 1
     return expected
@@ -733,11 +737,6 @@ def test_hsdp_quantized_grads_close_to_torch(hsdp_run, name):
             assert any(not torch.equal(quantized[f], exact[f]) for f in fqns), "not quantized"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the quantized replicate all-reduce ignores param_filter: it encodes the whole "
-    "reduced shard even when the filter selects no param (reported to the lead)",
-)
 def test_hsdp_param_filter_rejecting_everything_is_exact(hsdp_run):
     for rank, rec in enumerate(scenario_records(hsdp_run, "hsdp")):
         assert rec["filter_off"]["ops"] == rec["exact"]["ops"], f"rank {rank}"
