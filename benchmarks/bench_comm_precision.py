@@ -4,14 +4,14 @@
     torchrun --nproc-per-node 2 benchmarks/bench_comm_precision.py --steps 40   # quick look
     torchrun --nproc-per-node 2 benchmarks/bench_comm_precision.py --bf16 mp    # see below
 
-The default run takes about 7 minutes on 2 shared CPU cores (5 configs x 300 steps x
+The default run takes about 8 minutes on 2 shared CPU cores (6 configs x 300 steps x
 ~0.25 s); rank 0 prints the tables and writes ``comm_precision.json`` (every figure,
 per-step losses included) and ``comm_precision_losses.png`` to ``--out``.
 
 One launch trains the main job's model (``train.py``'s defaults: the ``tiny`` Llama, 8
 sequences of 128 tokens per rank, AdamW lr 3e-3, gradient clipping at 1.0, every block
 and the root sharded with ``reshard_after_forward=True``, the same seed and the same
-``synthetic_batch`` stream; the functions are ``train.py``'s own) under five configs:
+``synthetic_batch`` stream; the functions are ``train.py``'s own) under six configs:
 
 - ``fp32``:     exact communication (the reference);
 - ``bf16``:     ``CommPrecisionPolicy(all_gather="bf16", reduce_scatter="bf16")``, i.e.
@@ -22,14 +22,16 @@ and the root sharded with ``reshard_after_forward=True``, the same seed and the 
   would take ~7 minutes, and it times the CPU's bf16 kernels, not communication;
 - ``int8``:     ``CommPrecisionPolicy(all_gather="int8", reduce_scatter="int8")``;
 - ``int8_ef``:  the same with ``error_feedback=True``;
-- ``fp8_int8``: ``CommPrecisionPolicy(all_gather="fp8_e4m3", reduce_scatter="int8")``.
+- ``fp8_int8``: ``CommPrecisionPolicy(all_gather="fp8_e4m3", reduce_scatter="int8")``;
+- ``int8_exact_emb``: ``int8`` with the token embedding kept exact too (a
+  ``param_filter`` that leaves it out): measures whether the default filter should.
 
 All quantized configs use ``--block-size`` (256) and the default ``param_filter``
-(params with 2+ dims; the RMSNorm gains stay exact).
+(params with 2+ dims; the RMSNorm gains stay exact) unless said otherwise.
 
 Method
 ------
-The five models are built side by side and trained in lockstep: at every step each
+The models are built side by side and trained in lockstep: at every step each
 config runs one training step (``train.train_step``: forward, backward, clipping,
 AdamW), in an order rotated every step so drift and other load on the machine are
 shared. A barrier precedes every timed step; a step's time is the slowest rank's.
@@ -127,7 +129,7 @@ def _load_train_module() -> Any:
 
 train = _load_train_module()
 
-CONFIGS = ("fp32", "bf16", "int8", "int8_ef", "fp8_int8")
+CONFIGS = ("fp32", "bf16", "int8", "int8_ef", "fp8_int8", "int8_exact_emb")
 FINAL_WINDOW = 20
 GB = 1e9
 MiB = 2**20
@@ -142,6 +144,8 @@ class CommSpec:
     rs_fmt: str | None
     ag_exact_bytes: int = 4
     rs_exact_bytes: int = 4
+    # False: the token embedding stays exact too (a param_filter choice to measure).
+    quantize_embedding: bool = True
 
 
 # Setup #
@@ -195,6 +199,7 @@ def comm_spec(name: str, args: argparse.Namespace) -> CommSpec:
         "int8": CommSpec("int8", "int8"),
         "int8_ef": CommSpec("int8", "int8"),
         "fp8_int8": CommSpec("fp8_e4m3", "int8"),
+        "int8_exact_emb": CommSpec("int8", "int8", quantize_embedding=False),
     }[name]
 
 
@@ -207,7 +212,16 @@ def comm_policy(name: str, args: argparse.Namespace) -> CommPrecisionPolicy | No
         reduce_scatter=spec.rs_fmt,
         block_size=args.block_size,
         error_feedback=name == "int8_ef",
+        param_filter=_matrices if spec.quantize_embedding else _matrices_but_embedding,
     )
+
+
+def _matrices(fqn: str, param: torch.nn.Parameter) -> bool:
+    return param.ndim >= 2  # CommPrecisionPolicy's default
+
+
+def _matrices_but_embedding(fqn: str, param: torch.nn.Parameter) -> bool:
+    return param.ndim >= 2 and not fqn.startswith("tok_embeddings.")
 
 
 @dataclasses.dataclass
@@ -304,11 +318,11 @@ def summarize_records(records: list[tuple[str, int]], world: int) -> dict[str, d
 
 
 def param_buffer_bytes(
-    param: torch.Tensor, world: int, fmt: str | None, exact: int, bs: int
+    param: torch.Tensor, world: int, fmt: str | None, exact: int, bs: int, quantized: bool
 ) -> int:
     """One param's bytes in a W-row collective buffer (see the module docstring)."""
     shard = -(-param.shape[0] // world) * param[0].numel()  # padded shard elements
-    if fmt is not None and param.ndim >= 2:  # CommPrecisionPolicy's default param_filter
+    if fmt is not None and quantized:
         return world * WireLayout(fmt, bs, (shard,)).nbytes
     return world * shard * exact
 
@@ -320,8 +334,15 @@ def analytic_bytes(
     with torch.device("meta"):
         model = Llama(config)
 
+    def quantized(param: torch.Tensor) -> bool:
+        return param.ndim >= 2 and (
+            spec.quantize_embedding or param is not model.tok_embeddings.weight
+        )
+
     def group_bytes(params: list[torch.Tensor], fmt: str | None, exact: int) -> int:
-        return sum(param_buffer_bytes(p, world, fmt, exact, block_size) for p in params)
+        return sum(
+            param_buffer_bytes(p, world, fmt, exact, block_size, quantized(p)) for p in params
+        )
 
     blocks = [list(block.parameters()) for block in model.layers]
     in_blocks = {id(p) for params in blocks for p in params}

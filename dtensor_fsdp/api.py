@@ -136,8 +136,9 @@ class CommPrecisionPolicy:
             (``python -m dtensor_fsdp.quant_error`` prints the error per block size).
         error_feedback: keep each rank's gradient quantization error and add it to the next
             step's gradient before quantizing (error compensation), so the error does not
-            accumulate in the weights. Costs one fp32 buffer of the unsharded gradient size
-            per quantized param per rank.
+            accumulate in the weights. Covers the shard-axis reduce-scatter (not HSDP's
+            replicate leg). Costs one fp32 buffer of the unsharded gradient size per
+            quantized param per rank. The error of a non-finite block is dropped.
         replicate_only: HSDP: quantize only the all-reduce over the replicate axis (the
             inter-node leg) with ``reduce_scatter``'s format; the shard-axis all-gather
             and reduce-scatter stay exact. ``all_gather`` must then be ``None``.
@@ -174,8 +175,11 @@ class CommPrecisionPolicy:
                 "CommPrecisionPolicy.block_size must be a positive multiple of 4, "
                 f"got {self.block_size}"
             )
-        if self.error_feedback and self.reduce_scatter is None:
-            raise ValueError("CommPrecisionPolicy: error_feedback needs a reduce_scatter format")
+        if self.error_feedback and (self.reduce_scatter is None or self.replicate_only):
+            raise ValueError(
+                "CommPrecisionPolicy: error_feedback applies to the shard-axis reduce-scatter: "
+                "it needs a reduce_scatter format and replicate_only=False"
+            )
         if self.replicate_only and (self.all_gather is not None or self.reduce_scatter is None):
             raise ValueError(
                 "CommPrecisionPolicy(replicate_only=True) quantizes only HSDP's replicate "

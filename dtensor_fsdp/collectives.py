@@ -129,6 +129,62 @@ def all_gather(
     return AllGatherResult(output=output, work=work)
 
 
+@dataclass(frozen=True)
+class AllGatherInput:
+    """A copied-in all-gather input: exactly copied columns, then any encoded ones."""
+
+    input: torch.Tensor  # (bytes per rank,) uint8
+    split_nbytes: list[int]  # bytes of each exactly copied column, in order
+
+
+def copy_in(
+    plain_shards: list[torch.Tensor],
+    plain_dtypes: list[torch.dtype],
+    extension_inputs: list[torch.Tensor],
+    wire: WireLayout | None,
+    wire_segments: list[torch.Tensor],
+) -> AllGatherInput:
+    """Build a fresh all-gather input when the sharded buffer cannot be sent in place:
+    mixed precision casts, all-gather extensions, or quantized params.
+
+    Args:
+        plain_shards: padded shards copied exactly, each cast to its ``plain_dtypes``
+            entry (the wire carries param_dtype). Largest dtype first, so every cast
+            writes an aligned view. One foreach kernel.
+        extension_inputs: ``fsdp_pre_all_gather``'s inputs, 1-D each, copied as bytes
+            (one may sit at any byte offset).
+        wire: the encoded columns' layout (``CommPrecisionPolicy.all_gather``), or None.
+        wire_segments: (1, n_i) each: what ``wire`` encodes.
+    """
+    device = (plain_shards or extension_inputs or wire_segments)[0].device
+    split = [
+        t.numel() * dtype.itemsize for t, dtype in zip(plain_shards, plain_dtypes, strict=True)
+    ]
+    split += [t.numel() * t.itemsize for t in extension_inputs]
+    exact_nbytes = sum(split)
+    all_gather_input = torch.empty(
+        exact_nbytes + (wire.nbytes if wire is not None else 0), dtype=torch.uint8, device=device
+    )  # (bytes per rank,)
+    columns = all_gather_input[:exact_nbytes].split(split)
+    if plain_shards:
+        torch._foreach_copy_(
+            [
+                column.view(dtype).view(shard.shape)
+                for column, shard, dtype in zip(
+                    columns[: len(plain_shards)], plain_shards, plain_dtypes, strict=True
+                )
+            ],
+            plain_shards,
+        )
+    if extension_inputs:
+        torch._foreach_copy_(
+            list(columns[len(plain_shards) :]), [t.view(torch.uint8) for t in extension_inputs]
+        )
+    if wire is not None:
+        encode(wire_segments, wire, all_gather_input[exact_nbytes:].view(1, -1))
+    return AllGatherInput(all_gather_input, split)
+
+
 def copy_out(
     rows: torch.Tensor,
     split_nbytes: list[int],
@@ -282,6 +338,10 @@ def quantized_reduce_scatter(
         for residual, chunk, decoded in zip(residual_list, chunks, sent, strict=True):
             if residual is not None:
                 torch.sub(chunk, decoded, out=residual)
+                # A non-finite block decodes to NaN/inf: carrying that into every later
+                # step would poison the block for good (one skipped fp16 step would make
+                # GradScaler skip forever). Its error is dropped instead.
+                residual.masked_fill_(~torch.isfinite(residual), 0.0)
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     return QuantizedReduceScatterResult(
@@ -312,30 +372,54 @@ def finish_quantized_reduce_scatter(result: QuantizedReduceScatterResult) -> tor
     return torch.cat([p.to(result.reduce_dtype) for p in parts])
 
 
-def quantized_all_reduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup, fmt: str, block_size: int
-) -> tuple[torch.Tensor, int]:
-    """Sum ``tensor`` (1-D) over ``group`` with quantized wire bytes and fp32 sums: an
-    all-to-all of encoded chunks (each rank sums its chunk in fp32 after decoding), then
-    an all-gather of the encoded sums. HSDP's inter-node leg (ZeRO++'s qgZ).
+@dataclass(frozen=True)
+class QuantizedAllReduceResult:
+    """`quantized_all_reduce`'s sums and what it sent."""
 
-    Returns:
-        The sum (a new tensor of ``tensor``'s dtype) and the bytes sent per rank.
+    tensors: list[torch.Tensor]  # each input's sum over the group, the input's dtype
+    nbytes: int  # bytes this rank sent (all-to-all and all-gather inputs)
+
+
+def quantized_all_reduce(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, fmt: str, block_size: int
+) -> QuantizedAllReduceResult:
+    """Sum each of ``tensors`` (1-D) over ``group`` with quantized wire bytes and fp32
+    sums: an all-to-all of encoded chunks (each rank sums its chunk in fp32 after
+    decoding), then an all-gather of the encoded sums. HSDP's inter-node leg (ZeRO++'s
+    qgZ). Synchronous, like the exact HSDP all-reduce.
+
+    Each tensor starts on a block boundary and each rank's chunk is whole blocks, so no
+    block mixes two parameters (a small gradient keeps its own scale, as on the other
+    legs).
     """
     size = group.size()
-    chunk = math.ceil(tensor.numel() / size)
-    padded = torch.zeros(size * chunk, dtype=torch.float32, device=tensor.device)
-    padded[: tensor.numel()].copy_(tensor)
+    device = tensors[0].device
+    padded_numels = [math.ceil(t.numel() / block_size) * block_size for t in tensors]
+    blocks = sum(padded_numels) // block_size
+    chunk = math.ceil(blocks / size) * block_size  # elements per rank, whole blocks
+    padded = torch.zeros(size * chunk, dtype=torch.float32, device=device)  # (R * chunk,)
+    offsets = [0]
+    for numel in padded_numels[:-1]:
+        offsets.append(offsets[-1] + numel)
+    for tensor, offset in zip(tensors, offsets, strict=True):
+        padded[offset : offset + tensor.numel()].copy_(tensor)
     wire = WireLayout(fmt, block_size, (chunk,))
-    send = torch.empty((size, wire.nbytes), dtype=torch.uint8, device=tensor.device)
+    send = torch.empty((size, wire.nbytes), dtype=torch.uint8, device=device)
     encode([padded.view(size, chunk)], wire, send)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     (my_sum,) = decode_sum(recv, wire)  # (chunk,) fp32: this rank's chunk, summed
-    mine = torch.empty((1, wire.nbytes), dtype=torch.uint8, device=tensor.device)
+    mine = torch.empty((1, wire.nbytes), dtype=torch.uint8, device=device)
     encode([my_sum.view(1, chunk)], wire, mine)
-    gathered = torch.empty((size, wire.nbytes), dtype=torch.uint8, device=tensor.device)
+    gathered = torch.empty((size, wire.nbytes), dtype=torch.uint8, device=device)
     _all_gather_single(gathered.view(-1), mine.view(-1), group=group)
-    total = torch.empty((size, chunk), dtype=torch.float32, device=tensor.device)
+    total = torch.empty((size, chunk), dtype=torch.float32, device=device)
     decode(gathered, wire, [total])
-    return total.view(-1)[: tensor.numel()].to(tensor.dtype), 2 * send.numel()
+    flat = total.view(-1)  # (R * chunk,)
+    return QuantizedAllReduceResult(
+        tensors=[
+            flat[offset : offset + t.numel()].to(t.dtype)
+            for t, offset in zip(tensors, offsets, strict=True)
+        ],
+        nbytes=send.numel() + mine.numel(),
+    )

@@ -1,6 +1,7 @@
 """MeshInfo: which mesh axis FSDP shards over, and the process group behind it; and
 SpmdLayout: the mesh and placements of one parameter, tensor-parallel ones included."""
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -41,9 +42,10 @@ class MeshInfo:
     def shard_rank(self) -> int:
         return self.mesh.get_local_rank(self.shard_axis)
 
-    @property
+    @functools.cached_property
     def shard_mesh(self) -> DeviceMesh:
-        """The 1-D mesh of the shard axis (what torch hands ``fsdp_pre_all_gather``)."""
+        """The 1-D mesh of the shard axis (what torch hands ``fsdp_pre_all_gather``);
+        built once, as subclasses may key caches on it."""
         if self.mesh.ndim == 1:
             return self.mesh
         names = self.mesh.mesh_dim_names

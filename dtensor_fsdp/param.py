@@ -12,13 +12,22 @@ These nouns mean one thing each, everywhere in dtensor_fsdp:
 - padded shard: the local rows padded to ``ceil(dim0 / W)`` rows; the padding lives in
   the sharded buffer and stays zero.
 - all-gather input: the group's sharded buffer, 1-D uint8, this rank's padded shards
-  back to back.
+  back to back, read in place. A copy-in builds a fresh one instead when the wire must
+  carry something else: shards cast to param_dtype (mixed precision), an extension's
+  inputs, or encoded columns (``CommPrecisionPolicy``; see the wire row below).
 - all-gather output: ``W`` all-gather inputs, rank-major, 1-D uint8.
 - unsharded param: a plain ``nn.Parameter`` with the original shape, a view into the
   padded unsharded buffer (``W * ceil(dim0 / W)`` rows). It is registered on the module
   during forward/backward so any module code runs unchanged. Its storage is freed on
   reshard and refilled on unshard; the tensor object lives on so autograd's saved
-  references stay valid.
+  references stay valid. For a parameter with an all-gather extension (a tensor subclass
+  defining ``fsdp_pre_all_gather``/``fsdp_post_all_gather``, extension.py) it is what
+  ``fsdp_post_all_gather`` built on the extension's all-gather outputs (one persistent
+  tensor per extension input, refilled at every unshard) and its inner tensors, which
+  are freed on reshard instead.
+- wire row: ``CommPrecisionPolicy`` only: this rank's encoded columns (block-wise
+  quantized or bf16 values and their scales, wire_format.py) after the exact ones; every
+  rank decodes all ``W`` rows, its own included, into the unsharded params.
 - unsharded grad: ``unsharded_param.grad``, written by autograd.
 - sharded grad: ``sharded_param.grad``, a ``Shard(0)`` DTensor holding this rank's chunk
   of the averaged gradient.
@@ -134,7 +143,10 @@ class FSDPParam:
             self._init_sharded_param(original, source.original.requires_grad)
         else:
             self._init_sharded_subclass(
-                original, source.original.requires_grad, sharded_storage.device
+                original,
+                source.original.requires_grad,
+                sharded_storage.device,
+                sharded_storage.is_pinned(),
             )
         self._init_unsharded_param()
         self.sharded_state = ShardedState.SHARDED
@@ -163,10 +175,6 @@ class FSDPParam:
         (its padded shard in param_dtype)."""
         return self.geometry.padded_shard_numel * self.param_dtype.itemsize
 
-    def all_gather_input_view(self, segment: torch.Tensor) -> torch.Tensor:
-        """``segment`` (uint8, ``all_gather_nbytes``) as a padded shard of param_dtype."""
-        return segment.view(self.param_dtype).view(self.geometry.padded_local_shape)
-
     def padded_shard_view(self, segment: torch.Tensor) -> torch.Tensor:
         """``segment`` (uint8, ``sharded_buffer_nbytes``, e.g. on the compute device under
         CPU offload) viewed like the padded shard."""
@@ -175,7 +183,7 @@ class FSDPParam:
     # Initialization #
 
     def _init_sharded_subclass(
-        self, original: torch.Tensor, requires_grad: bool, device: torch.device
+        self, original: torch.Tensor, requires_grad: bool, device: torch.device, pin_memory: bool
     ) -> None:
         """An all-gather extension's subclass cannot live in the uint8 sharded buffer:
         pad it on its own, as torch does, with ops the subclass keeps itself through
@@ -185,10 +193,13 @@ class FSDPParam:
             padded = original.new_zeros(self.geometry.padded_local_shape)
             if padded.device != device:
                 padded = padded.to(device)  # CPU offload
+            if pin_memory:
+                padded = padded.pin_memory()  # as the group's sharded buffer is
             local = padded[: self.geometry.local_shape[0]]  # (*local_shape)
             if local.numel() > 0 and original.device.type != "meta":
-                # torch.chunk (aten.split), as torch does: subclasses such as NF4 support
-                # it, but not slicing at arbitrary rows.
+                # torch.chunk (aten.split), as torch does: NF4 supports it, but slices
+                # only from row 0 (its padded and local rows here are the same, as NF4
+                # needs even shards).
                 chunks = torch.chunk(original.detach(), self.geometry.world_size, self.geometry.dim)
                 local.copy_(chunks[self.geometry.rank])
             sharded = self._sharded_dtensor(local)
@@ -270,7 +281,9 @@ class FSDPParam:
         """The all-gather inputs ``fsdp_pre_all_gather`` makes of the sharded local
         tensor (moved to the compute device first under CPU offload), each 1-D."""
         assert self.extension is not None
-        local = self.registered_local().to(self.compute_device, non_blocking=True)
+        local = self.registered_local()
+        if local.device != self.compute_device:  # CPU offload; else no op (as in torch)
+            local = local.to(self.compute_device, non_blocking=True)
         return self.extension.pre_all_gather(
             local, self.mesh_info.shard_mesh, self.geometry.padded_local_shape, self.mp_policy
         )
@@ -487,6 +500,8 @@ class FSDPParam:
             if self.extension is not None:
                 # A subclass is padded on its own, as in `_init_sharded_subclass`.
                 self._padded_shard = local.new_zeros(self.geometry.padded_local_shape)
+                if segment.is_pinned():
+                    self._padded_shard = self._padded_shard.pin_memory()
             else:
                 self._padded_shard = self.padded_shard_view(segment)
                 self._padded_shard.zero_()

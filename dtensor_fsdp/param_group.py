@@ -39,6 +39,7 @@ from .api import (
 from .collectives import (
     AllGatherResult,
     all_gather,
+    copy_in,
     copy_out,
 )
 from .extension import has_all_gather_extension
@@ -47,7 +48,7 @@ from .param import FSDPParam, ParamToShard, ShardedState
 from .reduction import GradientReduction
 from .scheduler import CommContext
 from .trace import CommEvent, CommTrace, LifecycleEvent
-from .wire_format import WireLayout, decode, encode
+from .wire_format import WireLayout, decode
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,23 @@ class FSDPParamGroup:
         )
 
     def set_comm_precision(self, policy: CommPrecisionPolicy | None) -> None:
-        """What the wire carries from now on (see `CommPrecisionPolicy`)."""
+        """What the wire carries from now on (see `CommPrecisionPolicy`).
+
+        Raises:
+            RuntimeError: the group is between its forward and its backward, or has an
+                all-gather in flight: its next collectives must read what this one wrote
+                in the same layout.
+        """
+        if (
+            self.training_state != TrainingState.IDLE
+            or self.sharded_state != ShardedState.SHARDED
+            or self._all_gather is not None
+            or self._post_forward_buffer is not None
+        ):
+            raise RuntimeError(
+                f"set_comm_precision on '{self.fqn or 'the root'}' between its forward and "
+                "its backward (or with an unshard in flight): call it between iterations"
+            )
         self.comm_precision = policy
         self.reduction.set_comm_precision(policy)
         self._init_all_gather_layout()
@@ -320,7 +337,9 @@ class FSDPParamGroup:
             # Autograd saved these tensors in forward; refilling them in backward must
             # not look like an in-place change to its version check.
             for tensor in (t for p in self.fsdp_params for t in p.version_tracked()):
-                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
+                # Inference tensors (made under inference_mode) have no version counter.
+                if not tensor.is_inference():
+                    stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
             is_post_forward = source.mesh_info is not self.mesh_info
             exact = self._post_forward_order if is_post_forward else self._all_gather_order
             rows = result.output.view(world_size, -1)  # (W, bytes per rank)
@@ -389,6 +408,14 @@ class FSDPParamGroup:
         """
         if self.sharded_state != ShardedState.UNSHARDED:
             return
+        extended = [p.fqn for p in self.fsdp_params if p.extension is not None]
+        if extended:
+            # fully_shard refuses this; a subclass can still arrive later (to_empty,
+            # load_state_dict(assign=True)). torch raises the same type here.
+            raise NotImplementedError(
+                f"{self.fqn or 'root'}: resharding to a smaller mesh after forward is not "
+                f"supported for parameters with all-gather extensions: {extended}"
+            )
         k, j = post_forward.shard_size, post_forward.shard_rank
         kept = [p.unsharded_rows(k)[j] for p in self._post_forward_order]  # each (W/k * bytes,)
         self._post_forward_buffer = torch.cat(kept)  # (W/k * shard_nbytes,) uint8
@@ -452,6 +479,7 @@ class FSDPParamGroup:
         (unsharded grads, no-sync and HSDP partial accumulations), as torch does."""
         for fsdp_param in self.fsdp_params:
             fsdp_param.discard_pending_grads()
+        self.reduction.discard_error_feedback()
 
     # Communication helpers #
 
@@ -469,21 +497,6 @@ class FSDPParamGroup:
         sharded = self.sharded_buffer.to(self.device, non_blocking=True)
         if not self._copies_in:
             return AllGatherSource(sharded, self.mesh_info, self._plain_all_gather_split)
-        extension_inputs = [
-            t
-            for p in self._all_gather_order
-            if p.extension is not None
-            for t in p.extension_all_gather_inputs()
-        ]  # each 1-D
-        split = self._plain_all_gather_split + [t.numel() * t.itemsize for t in extension_inputs]
-        wire = self._all_gather_wire
-        all_gather_input = torch.empty(
-            sum(split) + (wire.nbytes if wire is not None else 0),
-            dtype=torch.uint8,
-            device=self.device,
-        )  # (bytes per rank,): exact columns, then the encoded ones
-        destinations = all_gather_input.split([*split, all_gather_input.numel() - sum(split)])
-        num_plain = len(self._plain_all_gather_order)
         sources = dict(
             zip(
                 self.fsdp_params,
@@ -491,44 +504,21 @@ class FSDPParamGroup:
                 strict=True,
             )
         )
-        self._copy_in_plain(sources, destinations[:num_plain])
-        if extension_inputs:
-            # As bytes: an extension's input may sit at any byte offset.
-            torch._foreach_copy_(
-                list(destinations[num_plain:-1]), [t.view(torch.uint8) for t in extension_inputs]
-            )
-        if wire is not None:
-            # Encoded from the sharded (master) values, not from a param_dtype copy.
-            encode(
-                [
-                    p.padded_shard_view(sources[p]).view(1, -1)
-                    for p in self._quantized_all_gather_order
-                ],
-                wire,
-                destinations[-1].view(1, -1),
-            )
-        return AllGatherSource(all_gather_input, self.mesh_info, split, wire)
-
-    def _copy_in_plain(
-        self, sources: dict[FSDPParam, torch.Tensor], destinations: tuple[torch.Tensor, ...]
-    ) -> None:
-        """Copy the plain params' padded shards into their all-gather input segments,
-        casting to param_dtype (mixed precision: the wire carries low-precision bytes).
-        One foreach kernel.
-
-        Args:
-            sources: each param's segment of the sharded buffer, on the compute device.
-            destinations: each plain param's segment (uint8, ``all_gather_nbytes``), in
-                `_plain_all_gather_order`.
-        """
-        if not self._plain_all_gather_order:
-            return
-        torch._foreach_copy_(
-            [
-                p.all_gather_input_view(dst)
-                for p, dst in zip(self._plain_all_gather_order, destinations, strict=True)
-            ],
+        copied_in = copy_in(
             [p.padded_shard_view(sources[p]) for p in self._plain_all_gather_order],
+            [p.param_dtype for p in self._plain_all_gather_order],
+            [
+                t
+                for p in self._all_gather_order
+                if p.extension is not None
+                for t in p.extension_all_gather_inputs()
+            ],
+            self._all_gather_wire,
+            # Encoded from the sharded (master) values, not from a param_dtype copy.
+            [p.padded_shard_view(sources[p]).view(1, -1) for p in self._quantized_all_gather_order],
+        )
+        return AllGatherSource(
+            copied_in.input, self.mesh_info, copied_in.split_nbytes, self._all_gather_wire
         )
 
     def _wait_all_gather(self) -> AllGatherResult | None:

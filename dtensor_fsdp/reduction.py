@@ -67,13 +67,21 @@ class GradientReduction:
         self.comm_precision = policy
         self._residuals.clear()
 
-    def _quantizes_reduce_scatter(self, fsdp_param: FSDPParam) -> bool:
-        policy = self.comm_precision
+    def discard_error_feedback(self) -> None:
+        """After a failed iteration: its errors belong to gradients never applied."""
+        self._residuals.clear()
+
+    def _quantizes(
+        self, fsdp_param: FSDPParam, policy: CommPrecisionPolicy | None, *, replicate_leg: bool
+    ) -> bool:
+        """Whether ``fsdp_param``'s gradient travels encoded on the shard-axis
+        reduce-scatter, or with ``replicate_leg`` on HSDP's replicate all-reduce."""
         return (
             policy is not None
             and policy.reduce_scatter is not None
-            and not policy.replicate_only
-            and self.custom_reduce_scatter is None
+            and (
+                replicate_leg or (not policy.replicate_only and self.custom_reduce_scatter is None)
+            )
             and fsdp_param.reduce_dtype.is_floating_point
             and policy.param_filter(fsdp_param.fqn, fsdp_param.sharded_param)
         )
@@ -104,8 +112,9 @@ class GradientReduction:
             and reduce_dtype in _NO_OVERFLOW_RISK,
             custom=self.custom_reduce_scatter,
         )
-        is_quantized = [self._quantizes_reduce_scatter(p) for p in with_grad]
+        # Read once: the whole reduction of this backward follows one policy.
         policy = self.comm_precision
+        is_quantized = [self._quantizes(p, policy, replicate_leg=False) for p in with_grad]
         if policy is not None and policy.reduce_scatter is not None:
             # Quantized legs sum in fp32 after decoding: no collective averages.
             plan = dataclasses.replace(
@@ -141,7 +150,7 @@ class GradientReduction:
         for fsdp_param in with_grad:
             fsdp_param.clear_unsharded_grad()
         ctx.enqueue_reduce_scatter(
-            lambda: self._finish(result, with_grad, post_divisor, issued_s),
+            lambda: self._finish(result, with_grad, post_divisor, issued_s, policy),
             lambda: result.work.wait() if result.work is not None else None,
         )
 
@@ -187,6 +196,7 @@ class GradientReduction:
         with_grad: list[FSDPParam],
         post_divisor: float,
         issued_s: float,
+        policy: CommPrecisionPolicy | None,
     ) -> None:
         wait_s = time.perf_counter()
         if result.work is not None:
@@ -208,6 +218,7 @@ class GradientReduction:
             params, reduced = self._all_reduce_over_replicas(
                 dict(zip(with_grad, self._split(reduced, with_grad), strict=True)),
                 average=result.plan.average_in_all_reduce,
+                policy=policy,
             )
         if post_divisor != 1.0:
             reduced.div_(post_divisor)
@@ -221,7 +232,10 @@ class GradientReduction:
         return reduced.split([p.padded_shard_numel for p in params])
 
     def _all_reduce_over_replicas(
-        self, chunks: dict[FSDPParam, torch.Tensor], average: bool
+        self,
+        chunks: dict[FSDPParam, torch.Tensor],
+        average: bool,
+        policy: CommPrecisionPolicy | None,
     ) -> tuple[list[FSDPParam], torch.Tensor]:
         """HSDP: reduce the shard-reduced chunks over the replicate axis in one
         all-reduce, adding the partial sums that micro-batches without all-reduce left.
@@ -238,13 +252,7 @@ class GradientReduction:
             )
             fsdp_param.partial_reduced_grad = None
         issued_s = time.perf_counter()
-        policy = self.comm_precision
-        is_quantized = [
-            policy is not None
-            and policy.reduce_scatter is not None
-            and policy.param_filter(p.fqn, p.sharded_param)
-            for p in params
-        ]
+        is_quantized = [self._quantizes(p, policy, replicate_leg=True) for p in params]
         exact = [t for t, q in zip(parts, is_quantized, strict=True) if not q]
         quantized = [t for t, q in zip(parts, is_quantized, strict=True) if q]
         nbytes = 0
@@ -255,14 +263,11 @@ class GradientReduction:
             exact = list(exact_flat.split([t.numel() for t in exact]))
         if quantized:
             assert policy is not None and policy.reduce_scatter is not None
-            quantized_flat, quantized_nbytes = quantized_all_reduce(
-                torch.cat(quantized),
-                self.mesh_info.replicate_group,
-                policy.reduce_scatter,
-                policy.block_size,
+            summed = quantized_all_reduce(
+                quantized, self.mesh_info.replicate_group, policy.reduce_scatter, policy.block_size
             )
-            nbytes += quantized_nbytes
-            quantized = list(quantized_flat.split([t.numel() for t in quantized]))
+            nbytes += summed.nbytes
+            quantized = summed.tensors
         exact_iter, quantized_iter = iter(exact), iter(quantized)
         flat = torch.cat(
             [next(quantized_iter) if q else next(exact_iter) for q in is_quantized]

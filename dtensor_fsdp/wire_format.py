@@ -213,7 +213,7 @@ def encode(segments: Sequence[torch.Tensor], layout: WireLayout, out: torch.Tens
     # One padded float32 staging buffer: zeros fill every partial block's tail, so padding
     # encodes as zero codes and does not raise a block's absmax.
     staged = torch.zeros(rows, layout.padded_numel, dtype=torch.float32, device=out.device)
-    for segment, offset in zip(segments, layout.offsets):
+    for segment, offset in zip(segments, layout.offsets, strict=True):
         if segment.shape[1]:
             staged[:, offset : offset + segment.shape[1]].copy_(segment)  # (rows, n_i)
     blocks = staged.view(rows, layout.num_blocks, layout.block_size)  # (rows, nb, bs)
@@ -257,7 +257,7 @@ def decode(wire: torch.Tensor, layout: WireLayout, outs: Sequence[torch.Tensor])
         values = _dequantize(wire, layout)  # (rows, padded_numel) float32
     else:
         values = _read_as(wire, torch.bfloat16)  # (rows, sum n_i) bfloat16
-    for target, offset in zip(outs, layout.offsets):
+    for target, offset in zip(outs, layout.offsets, strict=True):
         if target.shape[1]:
             target.copy_(values[:, offset : offset + target.shape[1]])  # (rows, n_i)
 
@@ -286,7 +286,9 @@ def decode_sum(wire: torch.Tensor, layout: WireLayout) -> list[torch.Tensor]:
     else:
         values = _read_as(wire, torch.bfloat16).to(torch.float32)  # (W, sum n_i)
     total = values.sum(dim=0)  # (padded_numel,) float32
-    return [total[o : o + n] for o, n in zip(layout.offsets, layout.numels)]  # each (n_i,)
+    return [
+        total[o : o + n] for o, n in zip(layout.offsets, layout.numels, strict=True)
+    ]  # each (n_i,)
 
 
 def quantization_error(x: torch.Tensor, fmt: WireFormat, block_size: int) -> float:
@@ -336,7 +338,7 @@ def _encode_bf16(segments: Sequence[torch.Tensor], layout: WireLayout, out: torc
         if target is not None
         else torch.empty(rows, layout.padded_numel, dtype=torch.bfloat16, device=out.device)
     )
-    for segment, offset in zip(segments, layout.offsets):
+    for segment, offset in zip(segments, layout.offsets, strict=True):
         if segment.shape[1]:
             staged[:, offset : offset + segment.shape[1]].copy_(segment)  # (rows, n_i)
     if target is None:
@@ -398,7 +400,7 @@ def _check_segments(
             f"{fn}: expected {len(layout.numels)} {name} (one per layout.numels entry), "
             f"got {len(tensors)}"
         )
-    for i, (tensor, numel) in enumerate(zip(tensors, layout.numels)):
+    for i, (tensor, numel) in enumerate(zip(tensors, layout.numels, strict=True)):
         if tuple(tensor.shape) != (rows, numel) or not tensor.is_floating_point():
             raise ValueError(
                 f"{fn}: {name}[{i}] must be a floating ({rows}, {numel}) tensor, "

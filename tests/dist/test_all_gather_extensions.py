@@ -722,3 +722,30 @@ def test_reshard_after_forward_int_raises_not_implemented_at_fully_shard(weight_
     assert type(theirs) is torch_error, repr(theirs)
     assert type(ours) is NotImplementedError
     assert "reshard_after_forward=2" in str(ours) and "'weight'" in str(ours), ours
+
+
+def test_inference_mode_forwards_work_where_torch_raises():
+    """Two forwards under ``torch.inference_mode()`` from the start. Ours creates the
+    extension's all-gather outputs at the first as inference tensors and, as torch's
+    copy-out does, does not preserve version counters they do not have at the second.
+    torch 2.13 does not get that far: its lazy init swaps the sharded local tensor
+    under inference mode and raises (a README difference)."""
+    outcomes = []
+    with fake_mesh(2) as mesh:
+        for shard in (torch_fully_shard, fully_shard):
+            torch.manual_seed(0)
+            model = _wrap_weights(_mlp((4, 8, 4)), _AliasWeight)
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    shard(layer, mesh=mesh)
+            shard(model, mesh=mesh)
+            x = torch.randn(2, 4)
+            try:
+                with torch.inference_mode():
+                    outcomes.append([model(x).shape, model(x).shape])
+            except RuntimeError as error:
+                outcomes.append(error)
+    theirs, ours = outcomes
+    assert isinstance(theirs, RuntimeError), theirs
+    assert "inference tensor" in str(theirs)
+    assert ours == [torch.Size((2, 4))] * 2

@@ -677,7 +677,8 @@ def _expected_hsdp_ops(rs: str | None, replicate: str | None) -> Counter:
     """One HSDP step's (op, bytes) multiset: per group its exact all-gathers and one
     all-to-all over the shard axis (2 ranks, as at W=2), then the replicate leg: one
     exact all-reduce of the padded shard, or with ``replicate`` an all-to-all of every
-    rank's encoded chunks (the shard split in 2) and an all-gather of the encoded sums.
+    rank's encoded chunks (the quantized params' shards, each padded to whole blocks,
+    split in 2 whole-block chunks) and an all-gather of the encoded sums.
     Params the filter leaves out (biases) are all-reduced exactly, in one all-reduce."""
     expected: Counter = Counter()
     for group, shards in _group_shards(HSDP_SHARD).items():
@@ -691,8 +692,9 @@ def _expected_hsdp_ops(rs: str | None, replicate: str | None) -> Counter:
         exact_numel = sum(n for n, q in shards if not q)
         if exact_numel:
             expected[(_AR, 4 * exact_numel)] += 1
-        quantized_numel = shard_numel - exact_numel
-        row = _wire_nbytes(replicate, 256, [math.ceil(quantized_numel / HSDP_REPLICATE)])
+        # Each param starts on a block boundary; each rank's chunk is whole blocks.
+        blocks = sum(math.ceil(n / 256) for n, q in shards if q)
+        row = _wire_nbytes(replicate, 256, [math.ceil(blocks / HSDP_REPLICATE) * 256])
         expected[(_A2A, HSDP_REPLICATE * row)] += 1
         expected[(_AG, HSDP_REPLICATE * row)] += 1
     return expected

@@ -76,9 +76,16 @@ def test_block_size_multiple_of_4(block_size: int) -> None:
 
 @pytest.mark.parametrize("all_gather", [None, "int8"])
 def test_error_feedback_needs_a_reduce_scatter_format(all_gather: str | None) -> None:
-    with pytest.raises(ValueError, match="error_feedback needs a reduce_scatter format"):
+    with pytest.raises(ValueError, match="it needs a reduce_scatter format"):
         CommPrecisionPolicy(all_gather=all_gather, error_feedback=True)
     assert CommPrecisionPolicy(reduce_scatter="int8", error_feedback=True).error_feedback
+
+
+def test_error_feedback_does_not_cover_the_replicate_leg() -> None:
+    # Only the shard-axis reduce-scatter keeps an error: with replicate_only it would
+    # silently do nothing.
+    with pytest.raises(ValueError, match="replicate_only=False"):
+        CommPrecisionPolicy(reduce_scatter="int8", error_feedback=True, replicate_only=True)
 
 
 @pytest.mark.parametrize(
@@ -160,3 +167,36 @@ def test_set_comm_precision_accepts_a_policy_and_none() -> None:
         model.set_comm_precision(CommPrecisionPolicy(all_gather="int8", reduce_scatter="int8"))
         model[0].set_comm_precision(None)
         model.set_comm_precision(None, recurse=False)
+
+
+def test_set_comm_precision_between_forward_and_backward_raises() -> None:
+    """The backward all-gather of a group kept unsharded (or hpZ-resharded) after
+    forward must read the layout its forward wrote: changing the policy in between is
+    refused, and allowed again once the iteration is over."""
+    with fake_mesh(2) as mesh:
+        torch.manual_seed(0)
+        model = fully_shard(nn.Linear(8, 8), mesh=mesh, reshard_after_forward=False)
+        loss = model(torch.randn(2, 8)).sum()
+        with pytest.raises(RuntimeError, match="between its forward and its backward"):
+            model.set_comm_precision(CommPrecisionPolicy(all_gather="int8"))
+        loss.backward()
+        model.set_comm_precision(CommPrecisionPolicy(all_gather="int8"))
+
+
+def test_error_feedback_drops_the_error_of_a_non_finite_block() -> None:
+    """A block with an inf decodes to non-finite values; its error must not be carried
+    into later steps (it would poison the block for good), while the other blocks keep
+    theirs. The residual is computed before the collective, so the fake group serves."""
+    from dtensor_fsdp.collectives import ReductionPlan, quantized_reduce_scatter
+
+    with fake_mesh(2) as mesh:
+        grad = torch.randn(4, 8)  # 2 rows per rank: blocks of 4 elements, 4 per chunk
+        grad[0, 0] = float("inf")
+        residual = torch.zeros(2, 16)
+        plan = ReductionPlan(use_all_to_all=True, average_in_reduce_scatter=False)
+        quantized_reduce_scatter(
+            [grad], [True], torch.float32, mesh.get_group(), plan, "int8", 4, [residual]
+        )
+    assert torch.isfinite(residual).all()
+    assert torch.equal(residual[0, :4], torch.zeros(4)), "the inf block's error is dropped"
+    assert residual[0, 4:].abs().sum() > 0 and residual[1].abs().sum() > 0
