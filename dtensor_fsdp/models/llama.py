@@ -82,50 +82,31 @@ class LlamaConfig:
     def tiny(cls) -> "LlamaConfig":
         """About 0.5M parameters: the default for CPU training runs and tests."""
         return cls(
-            vocab_size=512,
-            dim=128,
-            n_layers=2,
-            n_heads=4,
-            n_kv_heads=2,
-            ffn_hidden_dim=swiglu_hidden_dim(128),
-            max_seq_len=128,
+            vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
+            ffn_hidden_dim=swiglu_hidden_dim(128), max_seq_len=128,
         )
 
     @classmethod
     def small(cls) -> "LlamaConfig":
         """About 3.5M parameters: still fast on CPU, with more blocks to shard."""
         return cls(
-            vocab_size=1024,
-            dim=256,
-            n_layers=4,
-            n_heads=8,
-            n_kv_heads=4,
-            ffn_hidden_dim=swiglu_hidden_dim(256),
-            max_seq_len=256,
+            vocab_size=1024, dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
+            ffn_hidden_dim=swiglu_hidden_dim(256), max_seq_len=256,
         )
 
     @classmethod
     def llama_7b(cls) -> "LlamaConfig":
         """Llama-2 7B shapes (6.74B parameters); build on the meta device only."""
         return cls(
-            vocab_size=32000,
-            dim=4096,
-            n_layers=32,
-            n_heads=32,
-            n_kv_heads=32,
-            ffn_hidden_dim=swiglu_hidden_dim(4096, multiple_of=256),
-            max_seq_len=4096,
+            vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+            ffn_hidden_dim=swiglu_hidden_dim(4096, multiple_of=256), max_seq_len=4096,
         )
 
     @classmethod
     def llama_70b(cls) -> "LlamaConfig":
         """Llama-2 70B shapes (68.98B parameters, GQA with 8 KV heads); meta device only."""
         return cls(
-            vocab_size=32000,
-            dim=8192,
-            n_layers=80,
-            n_heads=64,
-            n_kv_heads=8,
+            vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
             ffn_hidden_dim=swiglu_hidden_dim(8192, multiple_of=4096, multiplier=1.3),
             max_seq_len=4096,
         )
@@ -203,11 +184,8 @@ class Attention(nn.Module):
         # SDPA wants heads before time: (B, n_heads, T, head_dim); k and v keep
         # n_kv_heads and enable_gqa broadcasts them, avoiding a repeat_interleave copy.
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=k.shape[2] != q.shape[2],
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=True, enable_gqa=k.shape[2] != q.shape[2],
         )  # (B, n_heads, T, head_dim)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))  # (B, T, dim)
 
