@@ -74,7 +74,9 @@ def adamw_param_atol(steps: int, lr: float = LR) -> float:
     """How far apart AdamW can move a parameter element in ``steps`` steps from the same
     start when the two runs' gradients differ only by fp32 rounding (see [Note: parity
     tolerances], item 3)."""
-    assert 1 <= steps <= ADAM_BOUND_MAX_STEPS, f"ADAM_UPDATE_BOUND holds for <= 10 steps, not {steps}"
+    assert 1 <= steps <= ADAM_BOUND_MAX_STEPS, (
+        f"ADAM_UPDATE_BOUND holds for <= 10 steps, not {steps}"
+    )
     return 2 * ADAM_UPDATE_BOUND * lr * steps
 
 
@@ -103,6 +105,17 @@ def local_pairs(ours: nn.Module, theirs: nn.Module, *, grads: bool) -> Pairs:
         a, b = (p.grad, their_params[name].grad) if grads else (p, their_params[name])
         pairs[name] = (a.to_local().detach().clone(), b.to_local().detach().clone())
     return pairs
+
+
+def local_trainable_grad_pairs(ours: nn.Module, theirs: nn.Module) -> Pairs:
+    """Per trainable FQN, this rank's local grad of ours and of torch's (frozen params,
+    e.g. a LoRA base or NF4 weights, have none)."""
+    their_params = dict(theirs.named_parameters())
+    return {
+        name: (p.grad.to_local().clone(), their_params[name].grad.to_local().clone())
+        for name, p in ours.named_parameters()
+        if p.requires_grad
+    }
 
 
 def step_against_torch(

@@ -75,7 +75,7 @@ from torch.utils import _pytree as pytree
 from dtensor_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tests._c10d import C10dRecorder, bytes_of, count_of
 from tests._harness import fake_mesh, run_distributed, run_scenarios, scenario_records
-from tests.dist._parity import assert_pairs_equal
+from tests.dist._parity import assert_pairs_equal, local_trainable_grad_pairs
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="needs torchao (float8, int8, NF4)")
@@ -458,16 +458,6 @@ def _collectives(records: list[tuple[str, int]]) -> dict[str, int]:
     }
 
 
-def _local_grad_pairs(ours: nn.Module, theirs: nn.Module) -> dict:
-    """Per trainable FQN, this rank's local grad of ours and of torch's."""
-    their_params = dict(theirs.named_parameters())
-    return {
-        name: (p.grad.to_local().clone(), their_params[name].grad.to_local().clone())
-        for name, p in ours.named_parameters()
-        if p.requires_grad
-    }
-
-
 def _plain_parts(tensor: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
     """A tensor subclass's plain inner tensors by ``name.attr`` (recursively, through
     ``__tensor_flatten__``), so that shards that do not implement ``torch.equal``
@@ -519,7 +509,7 @@ def _train_side_by_side(rank: int, mesh: DeviceMesh, name: str) -> dict:
                 loss.backward()
             srec["loss"].append(loss.item())
             srec["post_all_gather_calls"].append(POST_ALL_GATHER_CALLS[calls_before:])
-        srec["grads"] = _local_grad_pairs(ours.model, theirs.model)
+        srec["grads"] = local_trainable_grad_pairs(ours.model, theirs.model)
         for side in sides:
             with side.recorder:
                 side.optimizer.step()

@@ -12,8 +12,9 @@ shards per rank at W=2 (elements): block 0 weight 24x20 = 480, bias 24; block 2 
 weights' shards are 8 (the last partial), 24 and 5 blocks.
 
 One W=2 spawn runs every 1-D scenario, one W=4 spawn the HSDP (2 x 2) ones; the parent
-asserts. Collectives are counted at the c10d dispatcher (``_C10dOps``), so the bytes are
-what the process group is handed, whatever FSDP reports about itself.
+asserts. Collectives are counted at the c10d dispatcher (``tests/_c10d.py``'s
+``C10dRecorder``), so the bytes are what the process group is handed, whatever FSDP
+reports about itself.
 """
 
 import math
@@ -28,10 +29,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtensor_fsdp import CommPrecisionPolicy, MixedPrecisionPolicy, fully_shard
 from dtensor_fsdp.wire_format import WireLayout, decode, encode
+from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
 
 WORLD_SIZE = 2
@@ -43,7 +44,7 @@ WATCHED_STEPS = (0, TRAIN_STEPS - 1)  # steps whose unsharded weights are record
 EF_STEPS = 10
 GROUPS = {"0": (0,), "2": (2,), "root": (4,)}  # group name -> indices of its Linears
 ALL_GATHERS_PER_STEP = {"0": 2, "2": 2, "root": 1}  # the root stays unsharded for backward
-_AG, _A2A, _AR = "_allgather_base_", "alltoall_base_", "allreduce_"
+_AG, _A2A, _AR = "all_gather", "all_to_all", "all_reduce"  # C10dRecorder kinds
 
 
 def _build() -> nn.Sequential:
@@ -96,29 +97,6 @@ def _policy(name: str) -> CommPrecisionPolicy | None:
     return None if fields is None else CommPrecisionPolicy(**fields)
 
 
-class _C10dOps(TorchDispatchMode):
-    """Every collective that reaches the c10d dispatcher: (op name, bytes of its first
-    argument, the output buffer: W x the input for an all-gather, the whole send size for
-    an all-to-all, the tensor for an all-reduce)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional"):
-            self.records.append((func._opname, _nbytes(args[0])))
-        return func(*args, **(kwargs or {}))
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
-
-
 def _watch_unsharded(model: nn.Sequential, seen: dict[str, torch.Tensor]) -> None:
     """Record what each Linear computes with: forward pre-hooks registered after
     ``fully_shard``, so they run once FSDP has unsharded the params."""
@@ -168,7 +146,7 @@ def _bytes(rank: int) -> dict[str, list[tuple[str, int]]]:
             model.set_comm_precision(_policy(name))
         _step(model, 0, rank, WORLD_SIZE)
         model.zero_grad()
-        with _C10dOps() as ops:
+        with C10dRecorder() as ops:
             _step(model, 1, rank, WORLD_SIZE)
         out[name] = ops.records
     return out
@@ -355,7 +333,7 @@ def _hsdp(mesh: DeviceMesh) -> dict[str, dict]:
             model.set_comm_precision(_policy(name))
         _step(model, 0, dp_rank, parts)
         model.zero_grad()
-        with _C10dOps() as ops:
+        with C10dRecorder() as ops:
             _step(model, 1, dp_rank, parts)
         out[name] = {"ops": ops.records, "grads": _local_grads(model)}
     return out

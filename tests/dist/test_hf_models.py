@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_fsdp import fully_shard
 from tests._harness import run_distributed, run_scenarios, scenario_records
-from tests.dist._parity import assert_pairs_equal, local_pairs
+from tests.dist._parity import assert_pairs_equal, local_pairs, local_trainable_grad_pairs
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("peft") is None,
@@ -110,16 +110,6 @@ def _layout(model: nn.Module) -> dict[str, tuple]:
     }
 
 
-def _local_grad_pairs(ours: nn.Module, theirs: nn.Module) -> dict:
-    """Per trainable FQN, this rank's local grad of ours and of torch's."""
-    their_params = dict(theirs.named_parameters())
-    return {
-        name: (p.grad.to_local().clone(), their_params[name].grad.to_local().clone())
-        for name, p in ours.named_parameters()
-        if p.requires_grad
-    }
-
-
 def _train_side_by_side(rank: int, mesh: DeviceMesh, variant: str) -> dict:
     base = _build(variant)
     ours = _shard(copy.deepcopy(base), mesh, fully_shard)
@@ -145,7 +135,7 @@ def _train_side_by_side(rank: int, mesh: DeviceMesh, variant: str) -> dict:
             loss.backward()
         srec = {
             "loss": tuple(loss.item() for loss in losses),
-            "grads": _local_grad_pairs(ours, theirs),
+            "grads": local_trainable_grad_pairs(ours, theirs),
         }
         for optim in optims:
             optim.step()
