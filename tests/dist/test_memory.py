@@ -1,12 +1,14 @@
 """Memory: unsharded storage freed on reshard, kept when asked, no growth across steps."""
 
 import gc
+import weakref
 from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from dtensor_fsdp import fully_shard
@@ -15,7 +17,9 @@ from tests._harness import run_distributed
 
 def _model(mesh: Any, reshard_after_forward: bool) -> nn.Sequential:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3)
+    )
     for block in (model[0], model[2]):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh)
@@ -32,7 +36,11 @@ def _live_tensor_bytes() -> int:
     gc.collect()
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and obj.device.type == "cpu":
+        if (
+            isinstance(obj, torch.Tensor)
+            and not isinstance(obj, DTensor)
+            and obj.device.type == "cpu"
+        ):
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
@@ -53,7 +61,10 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
             for m in (model[0], model[2], model)
             for p in m._get_fsdp_state().group.fsdp_params
         ]
-        out[f"grads_{reshard}"] = {n: (type(p.grad).__name__, tuple(p.grad.to_local().shape)) for n, p in model.named_parameters()}
+        out[f"grads_{reshard}"] = {
+            n: (type(p.grad).__name__, tuple(p.grad.to_local().shape))
+            for n, p in model.named_parameters()
+        }
 
     model = _model(mesh, True)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -64,7 +75,37 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
         optim.zero_grad()
         live.append(_live_tensor_bytes())
     out["live_bytes_per_step"] = live
+    del model, optim
+    out["alive_after_delete"] = {
+        name: _alive_after_delete(mesh, shard)
+        for name, shard in (("torch", torch_fully_shard), ("ours", fully_shard))
+    }
     return out
+
+
+def _alive_after_delete(mesh: Any, shard: Any) -> dict[str, int]:
+    """Build, train one step and delete a sharded model 5 times (an evaluation or sweep
+    service does this); count what the garbage collector could not free: the models,
+    and their sharded params' local tensors (their memory)."""
+    models, local_tensors = [], []
+    before = _live_tensor_bytes()
+    for _ in range(5):
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+        for layer in (model[0], model[2]):
+            shard(layer, mesh=mesh)
+        shard(model, mesh=mesh)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(4, 8)).sum().backward()
+        optim.step()
+        models.append(weakref.ref(model))
+        local_tensors += [weakref.ref(p.to_local()) for p in model.parameters()]
+        del model, optim, layer
+    gc.collect()
+    return {
+        "models": sum(ref() is not None for ref in models),
+        "local_tensors": sum(ref() is not None for ref in local_tensors),
+        "bytes_grown": _live_tensor_bytes() - before,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +135,22 @@ def test_backward_frees_everything_unsharded(record: dict[str, Any], reshard: bo
     assert record[f"after_backward_{reshard}"] == [[0, 0], [0, 0], [0, 0]]
     assert all(record[f"unsharded_grads_{reshard}"])
     assert record[f"grads_{reshard}"] == {
-        "0.weight": ("DTensor", (16, 8)), "0.bias": ("DTensor", (16,)),
-        "2.weight": ("DTensor", (16, 32)), "2.bias": ("DTensor", (16,)),
-        "4.weight": ("DTensor", (2, 32)), "4.bias": ("DTensor", (2,)),
+        "0.weight": ("DTensor", (16, 8)),
+        "0.bias": ("DTensor", (16,)),
+        "2.weight": ("DTensor", (16, 32)),
+        "2.bias": ("DTensor", (16,)),
+        "4.weight": ("DTensor", (2, 32)),
+        "4.bias": ("DTensor", (2,)),
     }
+
+
+def test_deleted_models_are_freed_like_torchs(record: dict[str, Any]) -> None:
+    # No reference cycle the garbage collector cannot break (e.g. a hook on a tensor
+    # bound to FSDP state): every model, and its tensors' memory, is freed, as torch's.
+    theirs, ours = record["alive_after_delete"]["torch"], record["alive_after_delete"]["ours"]
+    assert theirs["models"] == ours["models"] == 0, (theirs, ours)
+    assert ours["local_tensors"] == 0, ours
+    assert ours["bytes_grown"] <= 0 and theirs["bytes_grown"] <= 0, (theirs, ours)
 
 
 def test_no_growth_in_live_memory_across_steps(record: dict[str, Any]) -> None:
