@@ -27,10 +27,22 @@ from its seed and the step, exactly as a fresh run of that world size would.
 
 The directory must be on a file system that every rank sees (as DCP's
 ``FileSystemWriter`` requires).
+
+[Note: loading runs no code] A checkpoint's files are data, never code: whoever can
+write to the checkpoint directory must not be able to run code in every rank that loads
+it. Plain DCP unpickles ``.metadata`` with ``pickle`` and its non-tensor records with
+``torch.load(weights_only=False)``, so a crafted file runs anything. Here ``.metadata``
+goes through ``_MetadataUnpickler`` (only the classes DCP's ``Metadata`` is made of),
+non-tensor records and ``extra.pt`` through ``torch.load(weights_only=True)``, and DCP
+already reads tensor records with ``weights_only=True``. A refused file raises
+``CheckpointError`` naming it. The ``COMPLETE`` marker is no defence here: it is plain
+JSON that anyone able to replace a file can rewrite too.
 """
 
+import io
 import json
 import os
+import pickle
 import re
 import shutil
 from dataclasses import dataclass
@@ -40,6 +52,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -161,7 +177,8 @@ def _prepare_staging(staging: str) -> None:
 
 
 def _write_marker(staging: str, step: int, world_size: int) -> None:
-    sizes = {name: os.path.getsize(os.path.join(staging, name)) for name in os.listdir(staging)}
+    names = [name for name in os.listdir(staging) if name != MARKER]
+    sizes = {name: os.path.getsize(os.path.join(staging, name)) for name in names}
     marker = {"step": step, "world_size": world_size, "files": sizes}
     partial = os.path.join(staging, MARKER + _TMP_SUFFIX)
     with open(partial, "w") as f:
@@ -302,25 +319,144 @@ def load_checkpoint(
             or if DCP cannot load it into this model.
     """
     marker = _read_marker(path)
+    saved = _load_extra(path)  # before the model changes: a bad extra.pt leaves it as it was
     state = _state_dict(model, optimizer)
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
     # DCP gathers every rank's failure into a CheckpointException, a BaseException.
     except (Exception, dcp.CheckpointException) as exc:
-        raise CheckpointError(f"could not load checkpoint {path}: {exc}") from exc
+        cause = _refusal(exc) or exc
+        raise CheckpointError(f"could not load checkpoint {path}: {cause}") from exc
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
-    saved = torch.load(os.path.join(path, EXTRA_FILE), weights_only=True)
     return LoadedCheckpoint(
         step=marker["step"],
         world_size=marker["world_size"],
         extra=saved["extra"],
         rank_extra=_own_rank_extra(saved["rank_extra"], marker["world_size"]),
     )
+
+
+def _load_extra(path: str) -> dict[str, Any]:
+    file = os.path.join(path, EXTRA_FILE)
+    try:
+        return torch.load(file, weights_only=True)  # see [Note: loading runs no code]
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"checkpoint {path}: refused to load {EXTRA_FILE}, it holds more than plain data "
+            f"(tensors, numbers, strings, lists, dicts): {exc}"
+        ) from exc
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path}: could not read {EXTRA_FILE}: {exc}") from exc
+
+
+def _refusal(exc: BaseException) -> CheckpointError | None:
+    """The ``CheckpointError`` our reader or planner raised inside ``dcp.load``, which
+    gathers every rank's failure into ``CheckpointException.failures`` as
+    ``{rank: (exception, traceback)}``; ``None`` if there is none."""
+    for failure in (getattr(exc, "failures", None) or {}).values():
+        if isinstance(failure, tuple) and isinstance(failure[0], CheckpointError):
+            return failure[0]
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Restricted reading (see [Note: loading runs no code])
+# ---------------------------------------------------------------------------
+
+# Every global a ``.metadata`` pickle of torch 2.11-2.14 refers to, found by unpickling
+# real checkpoints (plain and sharded models; SGD, Adam(amsgrad), AdamW with a tensor
+# lr; float32 and bfloat16) with a find_class that records its arguments. All are
+# dataclasses, enums or value types whose construction has no side effect;
+# ``torch.serialization._get_layout`` maps a name such as "torch.strided" to a layout.
+_METADATA_GLOBALS = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        # StorageMeta.checkpoint_id is the path the checkpoint was saved to.
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+    }
+    # TensorProperties.dtype pickles as the global torch.<dtype name>.
+    | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``Metadata``, refusing every global outside ``_METADATA_GLOBALS``."""
+
+    def __init__(self, file: io.BufferedReader, path: str) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _METADATA_GLOBALS:
+            raise CheckpointError(
+                f"checkpoint file {self.path} refers to {module}.{name}, which DCP's "
+                "metadata never holds: refused to load it (it could run code); the file "
+                "was not written by torch.distributed.checkpoint or was tampered with"
+            )
+        return super().find_class(module, name)
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file system reader, reading ``.metadata`` with ``_MetadataUnpickler``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # DCP names a rank-local metadata file __{rank}.metadata (when saved without
+        # coordination); ours are always the global one.
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        file = os.path.join(str(self.path), name)
+        with open(file, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f, file).load()
+            except CheckpointError:
+                raise
+            except Exception as exc:
+                raise CheckpointError(f"checkpoint file {file} is unreadable: {exc}") from exc
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(
+                f"checkpoint file {file} holds a {type(metadata).__name__}, not DCP's Metadata"
+            )
+        # As FileSystemReader.read_metadata does.
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading non-tensor records with ``weights_only=True``
+    (``DefaultLoadPlanner.load_bytes`` uses ``weights_only=False``)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(
+                f"checkpoint record {fqn} holds more than plain data: refused to load it "
+                f"(it could run code): {exc}"
+            ) from exc
+        # The rest is DefaultLoadPlanner.load_bytes.
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
 
 
 def _own_rank_extra(
