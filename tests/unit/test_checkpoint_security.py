@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from dtensor_fsdp.checkpoint import (
     CheckpointError,
+    _checksums,
+    _data_files,
     _write_marker,
     latest_checkpoint,
     load_checkpoint,
@@ -61,7 +63,7 @@ def _save(directory: Path) -> str:
 
 def _forge_marker(path: str) -> None:
     """Rewrite ``COMPLETE`` to match the tampered files, as an attacker can."""
-    _write_marker(path, STEP, 1)
+    _write_marker(path, STEP, 1, _checksums(path, _data_files(path)))
 
 
 def _assert_refused(path: str, match: str, marker: Path, *, model_unchanged: bool = True) -> None:
