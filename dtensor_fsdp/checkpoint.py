@@ -46,10 +46,13 @@ it. Plain DCP unpickles ``.metadata`` with ``pickle`` and its non-tensor records
 goes through ``_MetadataUnpickler`` (only the classes DCP's ``Metadata`` is made of),
 non-tensor records and ``extra.pt`` through ``torch.load(weights_only=True)``, and DCP
 already reads tensor records with ``weights_only=True``. A refused file raises
-``CheckpointError`` naming it. The ``COMPLETE`` marker is no defence here: it is plain
-JSON that anyone able to replace a file can rewrite too.
+``CheckpointError`` naming it; ``extra.pt`` and the non-tensor records are read before
+any tensor, so a refused one leaves the model and optimizer as they were. The
+``COMPLETE`` marker is no defence here: it is plain JSON that anyone able to replace a
+file can rewrite too.
 """
 
+import dataclasses
 import io
 import json
 import os
@@ -68,13 +71,14 @@ from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
+from torch.futures import Future
 
 MARKER = "COMPLETE"
 EXTRA_FILE = "extra.pt"
@@ -412,8 +416,10 @@ def load_checkpoint(
         The step, saved world size, ``extra`` and this rank's ``rank_extra``.
 
     Raises:
-        CheckpointError: naming ``path``, if the checkpoint is incomplete or corrupted,
-            or if DCP cannot load it into this model.
+        CheckpointError: naming ``path``, if the checkpoint is incomplete or corrupted
+            (sizes or checksums differ from the marker's; checked before the model or
+            optimizer changes), if a file holds more than plain data (see [Note: loading
+            runs no code]), or if DCP cannot load it into this model.
     """
     marker = _read_marker(path)
     _verify_checksums_everywhere(path, marker)
@@ -535,6 +541,15 @@ class _SafeReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        # Non-tensor records first: one refused by _SafeLoadPlanner then raises before
+        # any tensor was copied into the model (DCP loads tensors in place).
+        is_bytes = [item.type == LoadItemType.BYTE_IO for item in plan.items]
+        records = [item for item, b in zip(plan.items, is_bytes) if b]
+        tensors = [item for item, b in zip(plan.items, is_bytes) if not b]
+        super().read_data(dataclasses.replace(plan, items=records), planner).wait()
+        return super().read_data(dataclasses.replace(plan, items=tensors), planner)
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
