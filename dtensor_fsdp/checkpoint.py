@@ -15,8 +15,19 @@ files on disk. ``save_checkpoint`` writes everything into ``step_N.tmp/``, waits
 every rank (barrier), then rank 0 writes the marker (itself via a rename, so it is never
 half-written) and renames the directory with ``os.replace``. A crash at any point leaves
 either a ``.tmp`` directory or a complete checkpoint; a final directory without a valid
-marker (copied by hand, truncated later) is skipped too. ``latest_checkpoint`` and
-``load_checkpoint`` apply this one test (``_read_marker``).
+marker (copied by hand, truncated later) is skipped too. ``latest_checkpoint``,
+``load_checkpoint`` and pruning apply this one test (``_read_marker``).
+
+[Note: checkpoint checksums] The marker (format version 2) also records each file's
+CRC32, which catches what sizes cannot: a file overwritten in place, a flipped bit.
+CRC32 (``zlib.crc32``, about 1 GB/s on one core) detects every error burst up to 32
+bits; it guards against corruption, not against an attacker, who can rewrite the
+marker too (see [Note: loading runs no code]). On save every rank checksums a stripe of
+the files (``names[rank::world_size]``) and rank 0 records them all; on load every rank
+verifies its stripe and the ranks agree before anything is read into the model, so no
+file is read twice for verification. ``latest_checkpoint``, which needs no process
+group, verifies whole checkpoints, newest first, until one passes. Markers without
+a version (written before checksums existed) are loaded on sizes alone, with a warning.
 
 Resuming on another world size: ``extra`` (step, data position, anything global) is
 saved once and comes back unchanged, so a global data position carries over. Per-rank
@@ -27,12 +38,29 @@ from its seed and the step, exactly as a fresh run of that world size would.
 
 The directory must be on a file system that every rank sees (as DCP's
 ``FileSystemWriter`` requires).
+
+[Note: loading runs no code] A checkpoint's files are data, never code: whoever can
+write to the checkpoint directory must not be able to run code in every rank that loads
+it. Plain DCP unpickles ``.metadata`` with ``pickle`` and its non-tensor records with
+``torch.load(weights_only=False)``, so a crafted file runs anything. Here ``.metadata``
+goes through ``_MetadataUnpickler`` (only the classes DCP's ``Metadata`` is made of),
+non-tensor records and ``extra.pt`` through ``torch.load(weights_only=True)``, and DCP
+already reads tensor records with ``weights_only=True``. A refused file raises
+``CheckpointError`` naming it; ``extra.pt`` and the non-tensor records are read before
+any tensor, so a refused one leaves the model and optimizer as they were. The
+``COMPLETE`` marker is no defence here: it is plain JSON that anyone able to replace a
+file can rewrite too.
 """
 
+import dataclasses
+import io
 import json
 import os
+import pickle
 import re
 import shutil
+import warnings
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,17 +68,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
+from torch.futures import Future
 
 MARKER = "COMPLETE"
 EXTRA_FILE = "extra.pt"
 _TMP_SUFFIX = ".tmp"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_MARKER_VERSION = 2  # 2: sizes and CRC32s; none (1): sizes only
+_CHUNK_BYTES = 8 << 20  # checksums read files in chunks of this size
 
 
 class CheckpointError(RuntimeError):
@@ -137,10 +172,11 @@ def save_checkpoint(
     if rank == 0:
         saved = {"extra": extra, "rank_extra": all_rank_extra}
         torch.save(saved, os.path.join(staging, EXTRA_FILE))
-    # Every rank's shards are on disk (dcp.save syncs its files) before the marker.
+    # Every rank's shards are on disk (dcp.save syncs its files) before the checksums.
     _barrier()
+    checksums = _gather_checksums(staging)
     if rank == 0:
-        _write_marker(staging, step, world_size)
+        _write_marker(staging, step, world_size, checksums)
         _promote(staging, final)
         _prune(directory, keep_last, keep=final)
     _barrier()  # return only once the checkpoint is visible to every rank
@@ -160,9 +196,42 @@ def _prepare_staging(staging: str) -> None:
     os.makedirs(staging)
 
 
-def _write_marker(staging: str, step: int, world_size: int) -> None:
-    sizes = {name: os.path.getsize(os.path.join(staging, name)) for name in os.listdir(staging)}
-    marker = {"step": step, "world_size": world_size, "files": sizes}
+def _data_files(path: str) -> list[str]:
+    """The names of the checkpoint's files, the marker excepted, sorted."""
+    return sorted(name for name in os.listdir(path) if name != MARKER)
+
+
+def _file_crc32(file: str) -> int:
+    crc = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _checksums(path: str, names: list[str]) -> dict[str, int]:
+    return {name: _file_crc32(os.path.join(path, name)) for name in names}
+
+
+def _gather_checksums(staging: str) -> dict[str, int] | None:
+    """Every file's CRC32 on rank 0 (``None`` elsewhere), each rank computing a stripe;
+    see [Note: checkpoint checksums]."""
+    names = _data_files(staging)
+    stripes = _gather_to_rank0(_checksums(staging, names[_rank() :: _world_size()]))
+    if stripes is None:
+        return None
+    return {name: crc for stripe in stripes.values() for name, crc in stripe.items()}
+
+
+def _write_marker(staging: str, step: int, world_size: int, checksums: dict[str, int]) -> None:
+    sizes = {name: os.path.getsize(os.path.join(staging, name)) for name in checksums}
+    marker = {
+        "version": _MARKER_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "files": sizes,
+        "crc32": checksums,
+    }
     partial = os.path.join(staging, MARKER + _TMP_SUFFIX)
     with open(partial, "w") as f:
         json.dump(marker, f)
@@ -220,18 +289,27 @@ def _staging_step(name: str) -> int | None:
 
 
 def latest_checkpoint(directory: str) -> str | None:
-    """The newest complete checkpoint under ``directory``, or ``None``.
+    """The newest complete and intact checkpoint under ``directory``, or ``None``.
 
-    ``.tmp`` directories and final directories without a valid ``COMPLETE`` marker (or
-    with files whose sizes differ from the marker's) are skipped. Reads only the
-    directory listing and the markers, so every rank can call it.
+    ``.tmp`` directories are skipped silently (interrupted saves). Final directories
+    without a valid ``COMPLETE`` marker, or whose files differ from the marker's sizes
+    or checksums, are skipped with a warning saying why. Checkpoints are verified newest
+    first until one passes, which reads every file of that checkpoint (see [Note:
+    checkpoint checksums]); no process group is needed, so every rank can call it.
     """
-    complete = _complete_checkpoints(directory)
-    return complete[-1][1] if complete else None
+    for _, path in reversed(_complete_checkpoints(directory, warn=True)):
+        try:
+            _verify_checksums(path, _read_marker(path))
+        except CheckpointError as exc:
+            warnings.warn(f"skipping checkpoint: {exc}", stacklevel=2)
+            continue
+        return path
+    return None
 
 
-def _complete_checkpoints(directory: str) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint under ``directory``, oldest first."""
+def _complete_checkpoints(directory: str, *, warn: bool = False) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint under ``directory``, oldest first
+    (sizes checked, not checksums); ``warn``: say why a final directory is not."""
     if not os.path.isdir(directory):
         return []
     found = []
@@ -242,7 +320,9 @@ def _complete_checkpoints(directory: str) -> list[tuple[int, str]]:
             continue
         try:
             _read_marker(path)
-        except CheckpointError:
+        except CheckpointError as exc:
+            if warn:
+                warnings.warn(f"skipping checkpoint: {exc}", stacklevel=3)
             continue
         found.append((int(match.group(1)), path))
     return sorted(found)
@@ -261,6 +341,7 @@ def _read_marker(path: str) -> dict[str, Any]:
         with open(marker_path) as f:
             marker = json.load(f)
         step, world_size, sizes = marker["step"], marker["world_size"], marker["files"]
+        checksums = marker["crc32"] if marker.get("version") else None
     except FileNotFoundError:
         raise CheckpointError(
             f"checkpoint {path} is incomplete: no {MARKER} marker (the save was interrupted)"
@@ -277,7 +358,44 @@ def _read_marker(path: str) -> dict[str, Any]:
             raise CheckpointError(
                 f"checkpoint {path} is corrupted: {name} is {found}, the marker says {size} bytes"
             )
-    return {"step": step, "world_size": world_size}
+    return {"step": step, "world_size": world_size, "crc32": checksums}
+
+
+def _verify_checksums(path: str, marker: dict[str, Any], stripe: slice = slice(None)) -> None:
+    """Check the CRC32s of the marker's files (sorted, ``stripe`` of them) against the
+    marker's; see [Note: checkpoint checksums].
+
+    Raises:
+        CheckpointError: naming the first file whose checksum differs.
+    """
+    expected = marker["crc32"]
+    if expected is None:
+        warnings.warn(
+            f"checkpoint {path} has no checksums (saved before they were recorded): "
+            "only its file sizes are checked",
+            stacklevel=3,
+        )
+        return
+    for name in sorted(expected)[stripe]:
+        actual = _file_crc32(os.path.join(path, name))
+        if actual != expected[name]:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted: {name} has CRC32 {actual:08x}, "
+                f"the marker says {expected[name]:08x}"
+            )
+
+
+def _verify_checksums_everywhere(path: str, marker: dict[str, Any]) -> None:
+    """Every rank verifies its stripe of the files, then all agree: the same
+    ``CheckpointError`` on every rank if any stripe fails."""
+    try:
+        _verify_checksums(path, marker, slice(_rank(), None, _world_size()))
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    first = next((e for e in _all_gather(error) if e is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
 
 
 def load_checkpoint(
@@ -298,29 +416,160 @@ def load_checkpoint(
         The step, saved world size, ``extra`` and this rank's ``rank_extra``.
 
     Raises:
-        CheckpointError: naming ``path``, if the checkpoint is incomplete or corrupted,
-            or if DCP cannot load it into this model.
+        CheckpointError: naming ``path``, if the checkpoint is incomplete or corrupted
+            (sizes or checksums differ from the marker's; checked before the model or
+            optimizer changes), if a file holds more than plain data (see [Note: loading
+            runs no code]), or if DCP cannot load it into this model.
     """
     marker = _read_marker(path)
+    _verify_checksums_everywhere(path, marker)
+    saved = _load_extra(path)  # before the model changes: a bad extra.pt leaves it as it was
     state = _state_dict(model, optimizer)
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
     # DCP gathers every rank's failure into a CheckpointException, a BaseException.
     except (Exception, dcp.CheckpointException) as exc:
-        raise CheckpointError(f"could not load checkpoint {path}: {exc}") from exc
+        cause = _refusal(exc) or exc
+        raise CheckpointError(f"could not load checkpoint {path}: {cause}") from exc
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
-    saved = torch.load(os.path.join(path, EXTRA_FILE), weights_only=True)
     return LoadedCheckpoint(
         step=marker["step"],
         world_size=marker["world_size"],
         extra=saved["extra"],
         rank_extra=_own_rank_extra(saved["rank_extra"], marker["world_size"]),
     )
+
+
+def _load_extra(path: str) -> dict[str, Any]:
+    file = os.path.join(path, EXTRA_FILE)
+    try:
+        return torch.load(file, weights_only=True)  # see [Note: loading runs no code]
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"checkpoint {path}: refused to load {EXTRA_FILE}, it holds more than plain data "
+            f"(tensors, numbers, strings, lists, dicts): {exc}"
+        ) from exc
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path}: could not read {EXTRA_FILE}: {exc}") from exc
+
+
+def _refusal(exc: BaseException) -> CheckpointError | None:
+    """The ``CheckpointError`` our reader or planner raised inside ``dcp.load``, which
+    gathers every rank's failure into ``CheckpointException.failures`` as
+    ``{rank: (exception, traceback)}``; ``None`` if there is none."""
+    for failure in (getattr(exc, "failures", None) or {}).values():
+        if isinstance(failure, tuple) and isinstance(failure[0], CheckpointError):
+            return failure[0]
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Restricted reading (see [Note: loading runs no code])
+# ---------------------------------------------------------------------------
+
+# Every global a ``.metadata`` pickle of torch 2.11-2.14 refers to, found by unpickling
+# real checkpoints (plain and sharded models; SGD, Adam(amsgrad), AdamW with a tensor
+# lr; float32 and bfloat16) with a find_class that records its arguments. All are
+# dataclasses, enums or value types whose construction has no side effect;
+# ``torch.serialization._get_layout`` maps a name such as "torch.strided" to a layout.
+_METADATA_GLOBALS = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        # StorageMeta.checkpoint_id is the path the checkpoint was saved to.
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+    }
+    # TensorProperties.dtype pickles as the global torch.<dtype name>.
+    | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``Metadata``, refusing every global outside ``_METADATA_GLOBALS``."""
+
+    def __init__(self, file: io.BufferedReader, path: str) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _METADATA_GLOBALS:
+            raise CheckpointError(
+                f"checkpoint file {self.path} refers to {module}.{name}, which DCP's "
+                "metadata never holds: refused to load it (it could run code); the file "
+                "was not written by torch.distributed.checkpoint or was tampered with"
+            )
+        return super().find_class(module, name)
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file system reader, reading ``.metadata`` with ``_MetadataUnpickler``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # DCP names a rank-local metadata file __{rank}.metadata (when saved without
+        # coordination); ours are always the global one.
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        file = os.path.join(str(self.path), name)
+        with open(file, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f, file).load()
+            except CheckpointError:
+                raise
+            except Exception as exc:
+                raise CheckpointError(f"checkpoint file {file} is unreadable: {exc}") from exc
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(
+                f"checkpoint file {file} holds a {type(metadata).__name__}, not DCP's Metadata"
+            )
+        # As FileSystemReader.read_metadata does.
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        # Non-tensor records first: one refused by _SafeLoadPlanner then raises before
+        # any tensor was copied into the model (DCP loads tensors in place).
+        is_bytes = [item.type == LoadItemType.BYTE_IO for item in plan.items]
+        records = [item for item, b in zip(plan.items, is_bytes) if b]
+        tensors = [item for item, b in zip(plan.items, is_bytes) if not b]
+        super().read_data(dataclasses.replace(plan, items=records), planner).wait()
+        return super().read_data(dataclasses.replace(plan, items=tensors), planner)
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading non-tensor records with ``weights_only=True``
+    (``DefaultLoadPlanner.load_bytes`` uses ``weights_only=False``)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(
+                f"checkpoint record {fqn} holds more than plain data: refused to load it "
+                f"(it could run code): {exc}"
+            ) from exc
+        # The rest is DefaultLoadPlanner.load_bytes.
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
 
 
 def _own_rank_extra(
@@ -349,6 +598,15 @@ def _world_size() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _all_gather(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [value]
+    gathered: list[Any] = [None] * _world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def _gather_to_rank0(value: dict[str, Any] | None) -> dict[int, Any] | None:

@@ -7,12 +7,16 @@ The distributed paths (sharded models, resharding on load) are in
 
 import json
 import os
+import re
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from dtensor_fsdp.checkpoint import (
     CheckpointError,
@@ -83,7 +87,8 @@ def test_final_directory_without_marker_is_skipped(tmp_path: Path) -> None:
     complete = _save(tmp_path, 1)
     newer = _save(tmp_path, 2)
     os.remove(os.path.join(newer, "COMPLETE"))
-    assert latest_checkpoint(str(tmp_path)) == complete
+    with pytest.warns(UserWarning, match=f"skipping checkpoint: .*{newer} is incomplete"):
+        assert latest_checkpoint(str(tmp_path)) == complete
     with pytest.raises(CheckpointError, match=f"{newer} is incomplete: no COMPLETE marker"):
         load_checkpoint(newer, *_model(0))
 
@@ -92,7 +97,8 @@ def test_unreadable_marker_is_skipped(tmp_path: Path) -> None:
     complete = _save(tmp_path, 1)
     newer = _save(tmp_path, 2)
     Path(newer, "COMPLETE").write_text("{not json")
-    assert latest_checkpoint(str(tmp_path)) == complete
+    with pytest.warns(UserWarning, match=f"skipping checkpoint: .*{newer} has an unreadable"):
+        assert latest_checkpoint(str(tmp_path)) == complete
     with pytest.raises(CheckpointError, match=f"{newer} has an unreadable COMPLETE marker"):
         load_checkpoint(newer, *_model(0))
 
@@ -102,22 +108,88 @@ def test_truncated_file_is_skipped(tmp_path: Path) -> None:
     newer = _save(tmp_path, 2)
     shard = _shard_file(newer)
     os.truncate(shard, os.path.getsize(shard) // 2)
-    assert latest_checkpoint(str(tmp_path)) == complete
     name = os.path.basename(shard)
+    with pytest.warns(UserWarning, match=f"skipping checkpoint: .*{newer} is corrupted: {name}"):
+        assert latest_checkpoint(str(tmp_path)) == complete
     with pytest.raises(CheckpointError, match=f"{newer} is corrupted: {name} is .* bytes"):
         load_checkpoint(newer, *_model(0))
 
 
-def test_corrupted_content_names_the_path(tmp_path: Path) -> None:
+def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    params = [p.detach().clone() for p in model.parameters()]
+    return params + [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+
+
+def _assert_corruption_refused(path: str, name: str) -> None:
+    """``load_checkpoint`` names ``name`` before the model or optimizer changed."""
+    model, optimizer = _model(0)
+    before = _snapshot(model, optimizer)
+    match = f"{re.escape(path)} is corrupted: {re.escape(name)} has CRC32 [0-9a-f]{{8}}, the marker"
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(path, model, optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, optimizer)))
+
+
+def _assert_skipped(directory: Path, previous: str, name: str) -> None:
+    with pytest.warns(UserWarning, match=f"skipping checkpoint: .* {re.escape(name)} has CRC32"):
+        assert latest_checkpoint(str(directory)) == previous
+
+
+def test_marker_records_checksums(tmp_path: Path) -> None:
     path = _save(tmp_path, 1)
+    marker = json.loads(Path(path, "COMPLETE").read_text())
+    names = sorted(n for n in os.listdir(path) if n != "COMPLETE")
+    assert marker["version"] == 2 and sorted(marker["crc32"]) == sorted(marker["files"]) == names
+    for name in names:
+        assert marker["crc32"][name] == zlib.crc32(Path(path, name).read_bytes())
+
+
+def test_overwritten_in_place_is_refused(tmp_path: Path) -> None:
+    previous = _save(tmp_path, 1)
+    path = _save(tmp_path, 2)
     metadata = os.path.join(path, ".metadata")
     size = os.path.getsize(metadata)
     Path(metadata).write_bytes(b"\0" * size)  # same size: only reading it can tell
+    _assert_corruption_refused(path, ".metadata")
+    _assert_skipped(tmp_path, previous, ".metadata")
+
+
+def _flip_bit_in_tensor(path: str, tensor: torch.Tensor) -> str:
+    """Flip the lowest bit of ``tensor``'s first element where it is stored."""
+    shard = _shard_file(path)
+    data = bytearray(Path(shard).read_bytes())
+    at = data.find(tensor.detach().numpy().tobytes())
+    assert at >= 0 and data.find(tensor.detach().numpy().tobytes(), at + 1) < 0
+    data[at] ^= 1
+    Path(shard).write_bytes(bytes(data))
+    return shard
+
+
+def test_flipped_bit_in_tensor_data_is_refused(tmp_path: Path) -> None:
+    previous = _save(tmp_path, 1)
+    path = _save(tmp_path, 2)
+    saved_model, _ = _model(2)
+    shard = _flip_bit_in_tensor(path, saved_model[0].weight)
+    # torch's DCP loads it silently: one weight is off by one ulp.
     model, optimizer = _model(0)
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(CheckpointError, match=f"could not load checkpoint {path}"):
-        load_checkpoint(path, model, optimizer)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    assert not torch.equal(model_sd["0.weight"], saved_model[0].weight)
+    assert torch.equal(model_sd["0.bias"], saved_model[0].bias)
+    _assert_corruption_refused(path, os.path.basename(shard))
+    _assert_skipped(tmp_path, previous, os.path.basename(shard))
+
+
+def test_marker_without_checksums_loads_on_sizes(tmp_path: Path) -> None:
+    path = _save(tmp_path, 1)
+    marker_file = Path(path, "COMPLETE")
+    marker = json.loads(marker_file.read_text())
+    del marker["version"], marker["crc32"]  # a marker written before checksums existed
+    marker_file.write_text(json.dumps(marker))
+    with pytest.warns(UserWarning, match=f"{re.escape(path)} has no checksums"):
+        assert latest_checkpoint(str(tmp_path)) == path
+    with pytest.warns(UserWarning, match=f"{re.escape(path)} has no checksums"):
+        assert load_checkpoint(path, *_model(0)).step == 1
 
 
 def test_keep_last_prunes_oldest_complete(tmp_path: Path) -> None:
@@ -132,7 +204,8 @@ def test_prune_keeps_the_only_complete_checkpoint(tmp_path: Path) -> None:
     stale = tmp_path / "step_00000001.tmp"
     shutil.copytree(broken, stale)  # an interrupted save of an older step
     only = _save(tmp_path, 5, keep_last=1)
-    assert latest_checkpoint(str(tmp_path)) == only
+    with pytest.warns(UserWarning, match=f"skipping checkpoint: .*{broken} is incomplete"):
+        assert latest_checkpoint(str(tmp_path)) == only
     # The new checkpoint and the incomplete newer one stay; the stale .tmp goes.
     assert sorted(os.listdir(tmp_path)) == ["step_00000005", "step_00000009"]
 
