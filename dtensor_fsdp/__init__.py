@@ -12,6 +12,7 @@ from .api import (
     OffloadPolicy,
     ReduceScatter,
 )
+from .consistency import CollectiveMismatchError, NonFiniteGradError
 from .fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -26,6 +27,7 @@ from .trace import CommEvent, CommTrace, LifecycleEvent
 __all__ = [
     "AllGather",
     "CPUOffloadPolicy",
+    "CollectiveMismatchError",
     "CommEvent",
     "CommPrecisionPolicy",
     "CommTrace",
@@ -33,6 +35,7 @@ __all__ = [
     "FSDPModule",
     "LifecycleEvent",
     "MixedPrecisionPolicy",
+    "NonFiniteGradError",
     "OffloadPolicy",
     "ReduceScatter",
     "UnshardHandle",

@@ -7,6 +7,7 @@ was (torch's FSDP2 registers hooks before its parameter checks).
 
 import functools
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from types import MethodType
 from typing import Any, overload
 
@@ -334,6 +335,55 @@ class FSDPModule:
         for state in states:
             if state.group is not None:
                 state.group.trace = trace
+
+    def set_divergence_check(
+        self, enabled: bool = True, *, timeout: timedelta | float | None = None
+    ) -> None:
+        """Before every FSDP collective of this root's tree, check that all ranks are
+        about to issue the same one (same module, phase, kind, size and sequence
+        number), so control flow that diverges between ranks raises
+        ``CollectiveMismatchError`` on every rank, naming what each rank was about to
+        do, instead of aborting (gloo) or hanging (NCCL). Costs one small synchronous
+        all-gather per collective. Call it on the root, on every rank. dtensor_fsdp
+        only: not in torch.
+
+        Args:
+            enabled: switch the check on or off, from the next collective on.
+            timeout: how long (seconds or a ``timedelta``) a rank waits for the others
+                at one check before raising; ``None``: the process group's timeout.
+                A short one also fails legitimately slow ranks (a long evaluation or
+                checkpoint on one rank while the others start the next step).
+        """
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        state = self._root_state_for_checks()
+        state.divergence_check = enabled
+        state.divergence_timeout = timeout
+        if state.ctx is not None:
+            state.ctx.check = state.collective_check(state.states_in_tree)
+
+    def set_nonfinite_grad_check(self, enabled: bool = True) -> None:
+        """Before each reduce-scatter of this root's tree, check every rank's unsharded
+        gradients for NaN/Inf; if any rank has one, every rank raises
+        ``NonFiniteGradError`` naming, per offending rank, the first such parameter,
+        before the reduction spreads it to every rank. Off by default: it costs a
+        max-abs per gradient and one small all-gather per reduce-scatter, and fp16
+        training with a GradScaler expects (and skips) occasional Infs. Call it on the
+        root, on every rank. dtensor_fsdp only: not in torch."""
+        state = self._root_state_for_checks()
+        state.nonfinite_grad_check = enabled
+        if state.ctx is not None:
+            state.ctx.check = state.collective_check(state.states_in_tree)
+
+    def _root_state_for_checks(self) -> FSDPState:
+        # Before lazy init the root is not known yet: it reads its own settings then.
+        state = self._get_fsdp_state()
+        if state.ctx is not None and not state.is_root:
+            raise ValueError(
+                "set_divergence_check / set_nonfinite_grad_check apply to a whole FSDP "
+                "tree: call them on its root module, the one whose forward runs first"
+            )
+        return state
 
     def set_comm_precision(
         self, policy: CommPrecisionPolicy | None, *, recurse: bool = True

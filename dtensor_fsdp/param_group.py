@@ -315,6 +315,16 @@ class FSDPParamGroup:
         if not self.unshard_in_backward and self._phase() == "backward":
             return  # set_unshard_in_backward(False): prefetches are skipped too
         source = self._all_gather_source_now()
+        if self.ctx is not None and self.ctx.check is not None:
+            if self.ctx.check.applies_to("all_gather"):
+                self.ctx.check.before(
+                    source.mesh_info.shard_group,
+                    source.mesh_info.device,
+                    self.fqn,
+                    self._phase(),
+                    "all_gather",
+                    source.input.nbytes,
+                )
         self._record("unshard")
         self._all_gather_issued_s = time.perf_counter()
         self._all_gather = all_gather(
@@ -447,7 +457,7 @@ class FSDPParamGroup:
         self._record("post_backward")
         if self.requires_gradient_sync:
             assert self.ctx is not None, f"{self.fqn}: post-backward before lazy init"
-            self.reduction.reduce_scatter(self.ctx)
+            self.reduction.reduce_scatter(self.ctx, self.fqn)
         else:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.accumulate_unsharded_grad()

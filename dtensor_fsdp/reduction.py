@@ -26,6 +26,7 @@ from .collectives import (
     quantized_reduce_scatter,
     reduce_scatter,
 )
+from .consistency import CollectiveCheck
 from .mesh import MeshInfo
 from .param import FSDPParam
 from .scheduler import CommContext
@@ -86,9 +87,10 @@ class GradientReduction:
             and policy.param_filter(fsdp_param.fqn, fsdp_param.sharded_param)
         )
 
-    def reduce_scatter(self, ctx: CommContext) -> None:
-        """Issue one reduce-scatter of every unsharded grad of the group; ``ctx`` finishes
-        it (waits, reduces over replicas, lands the sharded grads) when its turn comes."""
+    def reduce_scatter(self, ctx: CommContext, fqn: str) -> None:
+        """Issue one reduce-scatter of every unsharded grad of the group (``fqn``); ``ctx``
+        finishes it (waits, reduces over replicas, lands the sharded grads) when its turn
+        comes."""
         # One call each: for TP, turning a Partial grad into its placements communicates.
         to_reduce = [(p, p.grad_to_reduce()) for p in self.fsdp_params]
         if self.reduce_scatter_unused_params:
@@ -124,6 +126,17 @@ class GradientReduction:
                 average_in_all_reduce=False,
             )
         grads = [grad.to(reduce_dtype) for _, grad in to_reduce if grad is not None]
+        if ctx.check is not None and ctx.check.applies_to("reduce_scatter"):
+            ctx.check.before(
+                self.mesh_info.shard_group,
+                self.mesh_info.device,
+                fqn,
+                "backward",
+                "reduce_scatter",
+                sum(g.numel() for g in grads) * reduce_dtype.itemsize,
+                grad_names=[p.fqn for p in with_grad],
+                first_nonfinite=_first_nonfinite(grads) if ctx.check.finite_grads else -1,
+            )
         pre_divisor, post_divisor = self._divisors(plan, reduce_dtype)
         if pre_divisor != 1.0:
             grads = torch._foreach_div(grads, pre_divisor)
@@ -150,7 +163,7 @@ class GradientReduction:
         for fsdp_param in with_grad:
             fsdp_param.clear_unsharded_grad()
         ctx.enqueue_reduce_scatter(
-            lambda: self._finish(result, with_grad, post_divisor, issued_s, policy),
+            lambda: self._finish(result, with_grad, post_divisor, issued_s, policy, ctx, fqn),
             lambda: result.work.wait() if result.work is not None else None,
         )
 
@@ -197,6 +210,8 @@ class GradientReduction:
         post_divisor: float,
         issued_s: float,
         policy: CommPrecisionPolicy | None,
+        ctx: CommContext,
+        fqn: str,
     ) -> None:
         wait_s = time.perf_counter()
         if result.work is not None:
@@ -219,6 +234,8 @@ class GradientReduction:
                 dict(zip(with_grad, self._split(reduced, with_grad), strict=True)),
                 average=result.plan.average_in_all_reduce,
                 policy=policy,
+                check=ctx.check,
+                fqn=fqn,
             )
         if post_divisor != 1.0:
             reduced.div_(post_divisor)
@@ -236,6 +253,8 @@ class GradientReduction:
         chunks: dict[FSDPParam, torch.Tensor],
         average: bool,
         policy: CommPrecisionPolicy | None,
+        check: CollectiveCheck | None,
+        fqn: str,
     ) -> tuple[list[FSDPParam], torch.Tensor]:
         """HSDP: reduce the shard-reduced chunks over the replicate axis in one
         all-reduce, adding the partial sums that micro-batches without all-reduce left.
@@ -251,6 +270,15 @@ class GradientReduction:
                 chunk if partial is None else partial if chunk is None else partial + chunk
             )
             fsdp_param.partial_reduced_grad = None
+        if check is not None and check.applies_to("all_reduce"):
+            check.before(
+                self.mesh_info.replicate_group,
+                self.mesh_info.device,
+                fqn,
+                "backward",
+                "all_reduce",
+                sum(t.nbytes for t in parts),
+            )
         issued_s = time.perf_counter()
         is_quantized = [self._quantizes(p, policy, replicate_leg=True) for p in params]
         exact = [t for t, q in zip(parts, is_quantized, strict=True) if not q]
@@ -281,3 +309,12 @@ class GradientReduction:
             group_size=self.mesh_info.replicate_size,
         )
         return params, flat
+
+
+def _first_nonfinite(grads: list[torch.Tensor]) -> int:
+    """The index of the first gradient holding a NaN or Inf, -1 if none: one fused
+    max-abs per gradient (NaN propagates through it; finite values cannot overflow)
+    and one host sync for the whole group."""
+    max_abs = torch.stack(torch._foreach_norm(grads, float("inf")))  # (len(grads),)
+    bad = (~max_abs.isfinite()).nonzero()
+    return int(bad[0]) if bad.numel() else -1

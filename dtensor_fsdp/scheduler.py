@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+from .consistency import CollectiveCheck
+
 
 class Prefetchable(Protocol):
     """What the scheduler needs of a group: its name and an async unshard."""
@@ -38,6 +40,9 @@ class CommContext:
         self.post_forward_order: list[Prefetchable] = []
         self.is_in_forward = False  # between the root's pre- and post-forward
         self.is_backward_callback_queued = False
+        # set_divergence_check / set_nonfinite_grad_check: ranks agree before each
+        # collective (see consistency.py); None when both are off.
+        self.check: CollectiveCheck | None = None
         # One entry per issued reduce-scatter: (finish: wait and land its sharded grads,
         # abandon: wait only, after an exception).
         self._pending_reduce_scatters: deque[tuple[Callable[[], None], Callable[[], None]]] = (

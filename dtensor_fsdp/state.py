@@ -20,6 +20,7 @@ The lifecycle of a parameter, and the method that performs each step:
 """
 
 import dataclasses
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .api import MixedPrecisionPolicy
+from .consistency import CollectiveCheck
 from .param_group import FSDPParamGroup, TrainingState
 from .scheduler import CommContext
 
@@ -64,6 +66,10 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None  # None: implicit
         self.is_last_backward = True  # read on the root
         self.max_in_flight_reduce_scatters = 2  # read on the root at lazy init
+        # set_divergence_check / set_nonfinite_grad_check, read on the root.
+        self.divergence_check = False
+        self.divergence_timeout: timedelta | None = None
+        self.nonfinite_grad_check = False
         self.post_optim_event: torch.Event | None = None  # root only, used once
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -92,6 +98,7 @@ class FSDPState:
                 )
         assign_fqns(self.modules, states)
         ctx = CommContext(self.max_in_flight_reduce_scatters)
+        ctx.check = self.collective_check(states)
         # Groups first: one that refuses (params still on meta) leaves no state rooted.
         for state in states:
             if state.group is not None:
@@ -104,6 +111,18 @@ class FSDPState:
         if self.group is not None and self.auto_reshard_after_forward:
             self.group.reshard_after_forward = False
         self.states_in_tree = states
+
+    def collective_check(self, states: "list[FSDPState]") -> CollectiveCheck | None:
+        """The root's checks before collectives (see consistency.py), if any is on."""
+        if not (self.divergence_check or self.nonfinite_grad_check):
+            return None
+        return CollectiveCheck(
+            signatures=self.divergence_check,
+            finite_grads=self.nonfinite_grad_check,
+            fqns=lambda: [s.group.fqn for s in states if s.group is not None],
+            on_failure=self.reset_iter_state,
+            timeout=self.divergence_timeout,
+        )
 
     # Runtime #
 

@@ -157,9 +157,12 @@ def _full_grads(model: nn.Module, ref: nn.Module) -> dict:
     }
 
 
-def _torch_parity(mesh: DeviceMesh, family: str) -> list[dict]:
+def _torch_parity(mesh: DeviceMesh, family: str, checks: bool = False) -> list[dict]:
     base = _build(family)
     ours = _shard(copy.deepcopy(base), mesh)
+    if checks:  # they check every collective, the replicate all-reduce included
+        ours.set_divergence_check(True)
+        ours.set_nonfinite_grad_check(True)
     theirs = _shard(copy.deepcopy(base), mesh, shard=torch_fully_shard)
     opts = make_optimizer(ours.parameters()), make_optimizer(theirs.parameters())
     local, loss_fn = _local(mesh), _loss(family)
@@ -226,6 +229,7 @@ def _worker(rank: int, world_size: int) -> dict:
             "accumulate": lambda: _accumulate(mesh),
             "torch_mlp": lambda: _torch_parity(mesh, "mlp"),
             "torch_llama": lambda: _torch_parity(mesh, "llama"),
+            "torch_mlp_checked": lambda: _torch_parity(mesh, "mlp", checks=True),
             "traces": lambda: _traces(mesh),
         }
     )
@@ -258,7 +262,7 @@ def test_accumulation_without_all_reduce_equals_one_full_batch_step(run):
             assert_params_close(rec["params"], f"rank {rank} step {step} param", steps=step + 1)
 
 
-@pytest.mark.parametrize("family", ["mlp", "llama"])
+@pytest.mark.parametrize("family", ["mlp", "llama", "mlp_checked"])
 def test_matches_torch_fully_shard_on_the_same_mesh(run, family):
     for rank, records in enumerate(scenario_records(run, f"torch_{family}")):
         for step, rec in enumerate(records):

@@ -18,9 +18,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
 
-from dtensor_fsdp import fully_shard, share_comm_ctx
+from dtensor_fsdp import CollectiveMismatchError, fully_shard, share_comm_ctx
 from dtensor_fsdp.collectives import ReductionPlan
 from tests._harness import FSDPTestMultiThread
+from tests.dist._divergence_job import Net
 from tests.dist._mlp import shard_mlp
 from tests.dist._parity import make_optimizer
 
@@ -116,3 +117,25 @@ class TestThreadedProcessGroup(FSDPTestMultiThread):
                 self._assert_same_locals(ours, theirs, f"rank {self.rank} step {step}")
                 for chunk in (ours, theirs):
                     chunk.zero_grad()
+
+    def test_divergence_check_names_both_ranks_collectives(self) -> None:
+        """Threads rendezvous on the check all-gather as gloo ranks do: an agreeing step
+        trains, then rank 1 skipping block 1 raises on both threads, naming both."""
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        model = Net([24, 32, 40])
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.set_divergence_check(True)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(self.rank))
+        model(x).backward()
+        skip = 1 if self.rank == 1 else None
+        with self.assertRaisesRegex(
+            CollectiveMismatchError,
+            r"rank 0: all_gather #\d+ of 'blocks.1'.*\n  rank 1: all_gather #\d+ of 'blocks.2'",
+        ):
+            model(x, skip=skip)
