@@ -256,10 +256,12 @@ def finish_reduce_scatter(result: ReduceScatterResult) -> torch.Tensor:
     return result.output
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool) -> None:
-    """Sum, or with ``average`` average, ``tensor`` in place over ``group`` (HSDP's
-    replicate axis). ``average`` only where ``ReductionPlan`` chose AVG for it."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=group)
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool) -> dist.Work | None:
+    """Issue the sum, or with ``average`` the average, of ``tensor`` in place over
+    ``group`` (HSDP's replicate axis); ``tensor`` holds it once the returned work is
+    waited. ``average`` only where ``ReductionPlan`` chose AVG for it."""
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 
 def _padded_chunk_numel(tensor: torch.Tensor, world_size: int) -> int:
@@ -374,19 +376,25 @@ def finish_quantized_reduce_scatter(result: QuantizedReduceScatterResult) -> tor
 
 @dataclass(frozen=True)
 class QuantizedAllReduceResult:
-    """`quantized_all_reduce`'s sums and what it sent."""
+    """An issued `quantized_all_reduce`: its all-to-all is in flight;
+    `finish_quantized_all_reduce` sums, gathers and decodes."""
 
-    tensors: list[torch.Tensor]  # each input's sum over the group, the input's dtype
-    nbytes: int  # bytes this rank sent (all-to-all and all-gather inputs)
+    recv: torch.Tensor  # (R, wire.nbytes) uint8: row r came from rank r
+    work: dist.Work | None
+    group: dist.ProcessGroup
+    wire: WireLayout  # one segment: this rank's chunk of whole blocks
+    offsets: list[int]  # where each input starts in the padded (R * chunk,) buffer
+    inputs: list[torch.Tensor]  # the inputs, for their numels and dtypes
+    nbytes: int  # bytes this rank sends (all-to-all and all-gather inputs)
 
 
 def quantized_all_reduce(
     tensors: list[torch.Tensor], group: dist.ProcessGroup, fmt: str, block_size: int
 ) -> QuantizedAllReduceResult:
-    """Sum each of ``tensors`` (1-D) over ``group`` with quantized wire bytes and fp32
-    sums: an all-to-all of encoded chunks (each rank sums its chunk in fp32 after
-    decoding), then an all-gather of the encoded sums. HSDP's inter-node leg (ZeRO++'s
-    qgZ). Synchronous, like the exact HSDP all-reduce.
+    """Issue the sum of each of ``tensors`` (1-D) over ``group`` with quantized wire bytes
+    and fp32 sums: an all-to-all of encoded chunks (each rank sums its chunk in fp32 after
+    decoding), then, in `finish_quantized_all_reduce`, an all-gather of the encoded sums.
+    HSDP's inter-node leg (ZeRO++'s qgZ); the all-to-all is in flight when this returns.
 
     Each tensor starts on a block boundary and each rank's chunk is whole blocks, so no
     block mixes two parameters (a small gradient keeps its own scale, as on the other
@@ -407,19 +415,30 @@ def quantized_all_reduce(
     send = torch.empty((size, wire.nbytes), dtype=torch.uint8, device=device)
     encode([padded.view(size, chunk)], wire, send)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    (my_sum,) = decode_sum(recv, wire)  # (chunk,) fp32: this rank's chunk, summed
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    # The all-gather input is one encoded chunk: wire.nbytes bytes.
+    return QuantizedAllReduceResult(
+        recv, work, group, wire, offsets, tensors, nbytes=send.numel() + wire.nbytes
+    )
+
+
+def finish_quantized_all_reduce(result: QuantizedAllReduceResult) -> list[torch.Tensor]:
+    """Each input's sum over the group, in the input's dtype: waits for the all-to-all,
+    sums this rank's chunk, then all-gathers the encoded sums (synchronously: the
+    decoded totals are needed right away)."""
+    if result.work is not None:
+        result.work.wait()
+    size, wire, device = result.group.size(), result.wire, result.recv.device
+    (chunk,) = wire.numels
+    (my_sum,) = decode_sum(result.recv, wire)  # (chunk,) fp32: this rank's chunk, summed
     mine = torch.empty((1, wire.nbytes), dtype=torch.uint8, device=device)
     encode([my_sum.view(1, chunk)], wire, mine)
     gathered = torch.empty((size, wire.nbytes), dtype=torch.uint8, device=device)
-    _all_gather_single(gathered.view(-1), mine.view(-1), group=group)
+    _all_gather_single(gathered.view(-1), mine.view(-1), group=result.group)
     total = torch.empty((size, chunk), dtype=torch.float32, device=device)
     decode(gathered, wire, [total])
     flat = total.view(-1)  # (R * chunk,)
-    return QuantizedAllReduceResult(
-        tensors=[
-            flat[offset : offset + t.numel()].to(t.dtype)
-            for t, offset in zip(tensors, offsets, strict=True)
-        ],
-        nbytes=send.numel() + mine.numel(),
-    )
+    return [
+        flat[offset : offset + t.numel()].to(t.dtype)
+        for t, offset in zip(result.inputs, result.offsets, strict=True)
+    ]

@@ -13,13 +13,16 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from .api import CommPrecisionPolicy, ReduceScatter
 from .collectives import (
+    QuantizedAllReduceResult,
     QuantizedReduceScatterResult,
     ReduceScatterResult,
     ReductionPlan,
     all_reduce,
+    finish_quantized_all_reduce,
     finish_quantized_reduce_scatter,
     finish_reduce_scatter,
     quantized_all_reduce,
@@ -222,21 +225,29 @@ class GradientReduction:
             if isinstance(result, QuantizedReduceScatterResult)
             else finish_reduce_scatter(result)
         )  # (sum of padded chunk numels,)
-        params = with_grad
-        if self.mesh_info.is_hsdp:
-            if not self.requires_all_reduce:
-                for fsdp_param, chunk in zip(
-                    with_grad, self._split(reduced, with_grad), strict=True
-                ):
-                    fsdp_param.accumulate_partial_grad(chunk)
-                return
-            params, reduced = self._all_reduce_over_replicas(
-                dict(zip(with_grad, self._split(reduced, with_grad), strict=True)),
-                average=result.plan.average_in_all_reduce,
-                policy=policy,
-                check=ctx.check,
-                fqn=fqn,
-            )
+        if not self.mesh_info.is_hsdp:
+            self._land(with_grad, reduced, post_divisor)
+            return
+        if not self.requires_all_reduce:
+            for fsdp_param, chunk in zip(with_grad, self._split(reduced, with_grad), strict=True):
+                fsdp_param.accumulate_partial_grad(chunk)
+            return
+        pending = self._all_reduce_over_replicas(
+            dict(zip(with_grad, self._split(reduced, with_grad), strict=True)),
+            average=result.plan.average_in_all_reduce,
+            policy=policy,
+            check=ctx.check,
+            fqn=fqn,
+        )
+        # In flight while backward goes on; the gradients land when the scheduler
+        # finishes it (the bounded queue, or the end of backward).
+        ctx.enqueue_all_reduce(
+            lambda: self._land(*self._finish_all_reduce(pending), post_divisor),
+            pending.wait,
+        )
+
+    def _land(self, params: list[FSDPParam], reduced: torch.Tensor, post_divisor: float) -> None:
+        """Divide once, run the user's hook, and land each param's chunk on its ``.grad``."""
         if post_divisor != 1.0:
             reduced.div_(post_divisor)
         if self.all_reduce_hook is not None:
@@ -255,13 +266,10 @@ class GradientReduction:
         policy: CommPrecisionPolicy | None,
         check: CollectiveCheck | None,
         fqn: str,
-    ) -> tuple[list[FSDPParam], torch.Tensor]:
-        """HSDP: reduce the shard-reduced chunks over the replicate axis in one
-        all-reduce, adding the partial sums that micro-batches without all-reduce left.
-
-        Returns:
-            The parameters in the all-reduced buffer, and the buffer (1-D).
-        """
+    ) -> "ReplicaAllReduce":
+        """HSDP: issue the reduction of the shard-reduced chunks over the replicate axis
+        (one all-reduce, plus the quantized leg's all-to-all if a policy quantizes it),
+        adding the partial sums that micro-batches without all-reduce left."""
         params = [p for p in self.fsdp_params if p in chunks or p.partial_reduced_grad is not None]
         parts = []
         for fsdp_param in params:
@@ -283,32 +291,71 @@ class GradientReduction:
         is_quantized = [self._quantizes(p, policy, replicate_leg=True) for p in params]
         exact = [t for t, q in zip(parts, is_quantized, strict=True) if not q]
         quantized = [t for t, q in zip(parts, is_quantized, strict=True) if q]
+        exact_flat, exact_work, quantized_result = None, None, None
         nbytes = 0
         if exact:
             exact_flat = torch.cat(exact)  # (exact padded chunk numels,)
-            all_reduce(exact_flat, self.mesh_info.replicate_group, average)
-            nbytes += exact_flat.numel() * exact_flat.element_size()
-            exact = list(exact_flat.split([t.numel() for t in exact]))
+            exact_work = all_reduce(exact_flat, self.mesh_info.replicate_group, average)
+            nbytes += exact_flat.nbytes
         if quantized:
             assert policy is not None and policy.reduce_scatter is not None
-            summed = quantized_all_reduce(
+            quantized_result = quantized_all_reduce(
                 quantized, self.mesh_info.replicate_group, policy.reduce_scatter, policy.block_size
             )
-            nbytes += summed.nbytes
-            quantized = summed.tensors
-        exact_iter, quantized_iter = iter(exact), iter(quantized)
-        flat = torch.cat(
-            [next(quantized_iter) if q else next(exact_iter) for q in is_quantized]
-        )  # (sum of padded chunk numels,)
+            nbytes += quantized_result.nbytes
+        return ReplicaAllReduce(
+            params, is_quantized, [t.numel() for t in exact], exact_flat, exact_work,
+            quantized_result, issued_s, nbytes,
+        )  # fmt: skip
+
+    def _finish_all_reduce(
+        self, pending: "ReplicaAllReduce"
+    ) -> tuple[list[FSDPParam], torch.Tensor]:
+        """Wait for the replicate-axis reduction; the params and their reduced chunks, one
+        1-D buffer in the params' order."""
+        wait_s = time.perf_counter()
+        exact: list[torch.Tensor] = []
+        if pending.exact_flat is not None:
+            if pending.exact_work is not None:
+                pending.exact_work.wait()
+            exact = list(pending.exact_flat.split(pending.exact_numels))
+        quantized: list[torch.Tensor] = []
+        if pending.quantized is not None:
+            quantized = finish_quantized_all_reduce(pending.quantized)
         self._record_comm(
             "all_reduce",
-            nbytes,
-            issued_s,
-            issued_s,
+            pending.nbytes,
+            pending.issued_s,
+            wait_s,
             phase="backward",
             group_size=self.mesh_info.replicate_size,
         )
-        return params, flat
+        exact_iter, quantized_iter = iter(exact), iter(quantized)
+        flat = torch.cat(
+            [next(quantized_iter) if q else next(exact_iter) for q in pending.is_quantized]
+        )  # (sum of padded chunk numels,)
+        return pending.params, flat
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaAllReduce:
+    """HSDP's replicate-axis reduction of one group's gradients, in flight."""
+
+    params: list[FSDPParam]  # in the reduced buffer's order
+    is_quantized: list[bool]  # per param: on the quantized leg
+    exact_numels: list[int]  # per exact param, its chunk's elements
+    exact_flat: torch.Tensor | None  # the exact params' chunks, all-reduced in place
+    exact_work: dist.Work | None
+    quantized: QuantizedAllReduceResult | None
+    issued_s: float
+    nbytes: int  # bytes this rank sends
+
+    def wait(self) -> None:
+        """Wait only (after an exception): the buffers must outlive the collectives."""
+        if self.exact_work is not None:
+            self.exact_work.wait()
+        if self.quantized is not None and self.quantized.work is not None:
+            self.quantized.work.wait()
 
 
 def _first_nonfinite(grads: list[torch.Tensor]) -> int:

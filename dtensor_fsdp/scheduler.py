@@ -8,7 +8,9 @@ tree. It owns the cross-group decisions:
   i-1's all-gather is already in flight);
 - the queue of in-flight reduce-scatters, bounded so that overlap with the preceding
   groups' backward never holds more than ``max_in_flight_reduce_scatters`` gradient
-  buffers at once;
+  buffers at once; and HSDP's all-reduces over the replicate axis, issued as each
+  reduce-scatter finishes and waited only when the bound or the end of backward
+  needs their gradients (torch's FSDP2 runs them on their own stream);
 - whether this backward's final callback has been queued.
 
 Collectives themselves are issued by the groups (param_group.py) through
@@ -48,6 +50,9 @@ class CommContext:
         self._pending_reduce_scatters: deque[tuple[Callable[[], None], Callable[[], None]]] = (
             deque()
         )
+        # HSDP: the same for the replicate-axis all-reduces issued once a group's
+        # reduce-scatter finished; bounded by the same number.
+        self._pending_all_reduces: deque[tuple[Callable[[], None], Callable[[], None]]] = deque()
 
     # Forward #
 
@@ -95,17 +100,27 @@ class CommContext:
         while len(self._pending_reduce_scatters) > self.max_in_flight_reduce_scatters:
             self._pending_reduce_scatters.popleft()[0]()
 
+    def enqueue_all_reduce(self, finish: Callable[[], None], abandon: Callable[[], None]) -> None:
+        """Track an issued HSDP all-reduce; finish the oldest ones beyond the bound."""
+        self._pending_all_reduces.append((finish, abandon))
+        while len(self._pending_all_reduces) > self.max_in_flight_reduce_scatters:
+            self._pending_all_reduces.popleft()[0]()
+
     def wait_for_reduce_scatters(self) -> None:
-        """Finish every in-flight reduce-scatter, oldest first."""
+        """Finish every in-flight reduction, oldest first: the reduce-scatters (which
+        may issue all-reduces), then the all-reduces."""
         while self._pending_reduce_scatters:
             self._pending_reduce_scatters.popleft()[0]()
+        while self._pending_all_reduces:
+            self._pending_all_reduces.popleft()[0]()
 
     def abandon_reduce_scatters(self) -> None:
-        """After an exception: wait for the in-flight reduce-scatters (their buffers must
+        """After an exception: wait for the in-flight reductions (their buffers must
         outlive the collectives) but drop their results: a failed step's gradients must
         not land on the next step's."""
-        while self._pending_reduce_scatters:
-            self._pending_reduce_scatters.popleft()[1]()
+        for pending in (self._pending_reduce_scatters, self._pending_all_reduces):
+            while pending:
+                pending.popleft()[1]()
 
     def reset(self) -> None:
         """Drop per-iteration state (end of backward, or after an exception)."""

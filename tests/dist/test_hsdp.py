@@ -219,6 +219,24 @@ def _traces(mesh: DeviceMesh) -> dict[str, str]:
     return out
 
 
+def _all_reduce_overlap(mesh: DeviceMesh) -> list[tuple]:
+    """One traced step with one reduction in flight at a time, after a warm-up: per
+    all-reduce, (fqn, issued, waited, the reduce-scatters issued in between)."""
+    model = _shard(_build("mlp"), mesh)
+    model.set_reduce_scatter_max_input_buffers(1)
+    x, y = _batch("mlp", 0, PER_RANK_BATCH)
+    F.cross_entropy(model(x), y).backward()
+    trace = CommTrace()
+    model.set_comm_trace(trace)
+    F.cross_entropy(model(x), y).backward()
+    scatters = [e for e in trace.events if e.kind == "reduce_scatter"]
+    return [
+        (e.fqn, e.start_s, e.wait_s, [r.fqn for r in scatters if e.start_s < r.start_s < e.wait_s])
+        for e in sorted(trace.events, key=lambda e: e.start_s)
+        if e.kind == "all_reduce"
+    ]
+
+
 def _worker(rank: int, world_size: int) -> dict:
     mesh = init_device_mesh("cpu", (REPLICATE, SHARD), mesh_dim_names=("replicate", "shard"))
     return run_scenarios(
@@ -231,6 +249,7 @@ def _worker(rank: int, world_size: int) -> dict:
             "torch_llama": lambda: _torch_parity(mesh, "llama"),
             "torch_mlp_checked": lambda: _torch_parity(mesh, "mlp", checks=True),
             "traces": lambda: _traces(mesh),
+            "all_reduce_overlap": lambda: _all_reduce_overlap(mesh),
         }
     )
 
@@ -339,3 +358,16 @@ all_reduce     blocks.1 over 2    588 B  backward
 all_reduce     root     over 2     64 B  backward
 all_reduce     blocks.0 over 2    680 B  backward""",
     )
+
+
+def test_all_reduce_is_in_flight_while_the_next_group_computes(run):
+    # Backward reduce-scatters blocks.2, blocks.1, the root, then blocks.0 (its input
+    # needs no grad: its post-backward runs in the final callback). With one reduction
+    # in flight at a time, blocks.2's all-reduce is issued as blocks.1's reduce-scatter
+    # is enqueued and waited only after the next group's backward reduce-scattered the
+    # root; blocks.1's spans blocks.0's reduce-scatter. A synchronous all-reduce has
+    # nothing in between. The last two are waited at the end of backward.
+    for rank, events in enumerate(scenario_records(run, "all_reduce_overlap")):
+        assert [fqn for fqn, *_ in events] == ["blocks.2", "blocks.1", "", "blocks.0"], rank
+        assert [between for *_, between in events] == [[""], ["blocks.0"], [], []], events
+
