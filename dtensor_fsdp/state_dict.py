@@ -169,8 +169,7 @@ def _value_problem(
     """Why ``got`` cannot be copied into the module's ``want``, or ``None``."""
     if not torch.overrides.is_tensor_like(got):
         return (
-            f"expected torch.Tensor or Tensor-like object from checkpoint but received "
-            f"{type(got)}"
+            f"expected torch.Tensor or Tensor-like object from checkpoint but received {type(got)}"
         )
     local = got.to_local() if isinstance(got, DTensor) else got
     if local.is_meta:
@@ -216,7 +215,7 @@ def _cast_error(src: torch.dtype, dst: torch.dtype) -> str | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # complex -> real warns that it drops .imag
             torch.empty(1, dtype=dst).copy_(torch.empty(1, dtype=src))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever copy_ raises is the answer
         return str(exc).split("\n")[0]
     return None
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -99,7 +99,7 @@ def test_bad_value_loads_nothing_where_torch_half_loads(case: str) -> None:
             with pytest.raises(RuntimeError) as info:
                 model.load_state_dict(state_dict, assign=assign)
             results[name] = (str(info.value), _changed(before, model))
-    torch_message, torch_changed = results["torch"]
+    _, torch_changed = results["torch"]
     ours_message, ours_changed = results["ours"]
     assert torch_changed, "torch's fully_shard no longer half-loads: update the notes"
     assert ours_changed == [], f"changed before raising: {ours_changed}"
