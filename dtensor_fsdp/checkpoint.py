@@ -42,9 +42,9 @@ step, the failing ranks and the first failure (type and message), chained to the
 original exception on the rank that raised it. DCP's own collectives (``dcp.save``,
 ``dcp.load``) already gather every rank's failure; theirs become the same kind of
 ``CheckpointError`` (``_dcp``). So no rank is left waiting in a collective for a rank
-that raised: the failure reaches every rank as soon as the failing step ends (about
-10 ms on 2 gloo ranks, see tests/dist/test_checkpoint_agreement.py). A rank that
-*dies* (killed, out of memory) is not caught here: the others wait in their next
+that raised: the failure reaches every rank as soon as the failing step ends (3 to
+50 ms from the call on 2 gloo ranks; tests/dist/test_checkpoint_agreement.py). A rank
+that *dies* (killed, out of memory) is not caught here: the others wait in their next
 collective until the process group's timeout, or until the launcher stops them.
 
 [Note: no symlinks] Nothing inside the checkpoint directory is followed through a
