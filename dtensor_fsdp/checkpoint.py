@@ -9,25 +9,65 @@ another mesh layout), the trainer's ``extra`` state and a ``COMPLETE`` marker::
         .metadata  __0_0.distcp  __1_0.distcp  extra.pt  COMPLETE
       step_00000030.tmp/      being written, or interrupted: never loaded
 
+The files themselves (marker, checksums, restricted reading) are in
+``_checkpoint_files.py``; this module says which rank does what, and when.
+
 [Note: checkpoint completion] A checkpoint is complete iff its directory has the final
 name (no ``.tmp``) and holds a ``COMPLETE`` marker whose recorded file sizes match the
-files on disk. ``save_checkpoint`` writes everything into ``step_N.tmp/``, waits for
-every rank (barrier), then rank 0 writes the marker (itself via a rename, so it is never
-half-written) and renames the directory with ``os.replace``. A crash at any point leaves
-either a ``.tmp`` directory or a complete checkpoint; a final directory without a valid
-marker (copied by hand, truncated later) is skipped too. ``latest_checkpoint``,
-``load_checkpoint`` and pruning apply this one test (``_read_marker``).
+files on disk. ``save_checkpoint`` writes everything into ``step_N.tmp/``, the ranks
+agree that every rank's part is on disk, then rank 0 writes the marker (itself via a
+rename, so it is never half-written) and renames the directory with ``os.replace``. A
+crash at any point leaves either a ``.tmp`` directory or a complete checkpoint; a final
+directory without a valid marker (copied by hand, truncated later) is skipped too.
+``latest_checkpoint``, ``load_checkpoint`` and pruning apply this one test
+(``read_marker``).
 
 [Note: checkpoint checksums] The marker (format version 2) also records each file's
 CRC32, which catches what sizes cannot: a file overwritten in place, a flipped bit.
 CRC32 (``zlib.crc32``, about 1 GB/s on one core) detects every error burst up to 32
 bits; it guards against corruption, not against an attacker, who can rewrite the
 marker too (see [Note: loading runs no code]). On save every rank checksums a stripe of
-the files (``names[rank::world_size]``) and rank 0 records them all; on load every rank
-verifies its stripe and the ranks agree before anything is read into the model, so no
-file is read twice for verification. ``latest_checkpoint``, which needs no process
-group, verifies whole checkpoints, newest first, until one passes. Markers without
-a version (written before checksums existed) are loaded on sizes alone, with a warning.
+the files (``names[rank::world_size]``) and rank 0 records them all; on load, and in
+``latest_checkpoint`` under a process group, every rank verifies its stripe and the
+ranks agree, so each file is read once per verification, not once per rank. Without a
+process group ``latest_checkpoint`` verifies whole checkpoints. Markers without a
+version (written before checksums existed) are loaded on sizes alone, with a warning.
+
+[Note: agreeing on failure] Every step of a save or load that ranks carry out on their
+own (rank 0 preparing the staging directory, writing ``extra.pt``, the marker, the
+rename; every rank reading the marker, verifying its stripe, reading ``extra.pt``,
+copying into the model) ends in ``_agree``: one ``all_gather_object`` of each rank's
+outcome. If any rank failed, every rank raises the same ``CheckpointError``, naming the
+step, the failing ranks and the first failure (type and message), chained to the
+original exception on the rank that raised it. DCP's own collectives (``dcp.save``,
+``dcp.load``) already gather every rank's failure; theirs become the same kind of
+``CheckpointError`` (``_dcp``). So no rank is left waiting in a collective for a rank
+that raised: the failure reaches every rank as soon as the failing step ends (3 to
+50 ms from the call on 2 gloo ranks; tests/dist/test_checkpoint_agreement.py). A rank
+that *dies* (killed, out of memory) is not caught here: the others wait in their next
+collective until the process group's timeout, or until the launcher stops them.
+
+[Note: no symlinks] Nothing inside the checkpoint directory is followed through a
+symbolic link: a link may point anywhere, and a save would delete or overwrite what it
+points to, a load read it. ``save_checkpoint`` refuses a ``step_N.tmp`` or ``step_N``
+that is a link, before anything is written and again at the rename, and creates its
+files with ``O_EXCL | O_NOFOLLOW``. ``load_checkpoint`` refuses a ``step_N`` that is a
+link, requires every file the marker names to be a regular file (``lstat``), opens every
+file with ``O_NOFOLLOW`` (DCP's reads too) and reads only files the marker names.
+``latest_checkpoint`` skips linked step directories with a warning, and pruning never
+deletes through a link. The parent directory itself may be a link (a mount chosen by
+the user).
+
+[Note: atomic checkpoint load] ``load_checkpoint`` changes the model and optimizer only
+after everything was read and verified: the marker, every checksum, ``extra.pt``, and
+every tensor and record, which ``dcp.load`` reads into a staging copy of the state dict
+(fresh tensors of the same shapes, dtypes and placements). Only then is the staging
+copy loaded into the model and optimizer (``set_state_dict``; ``load_state_dict`` is
+atomic, see [Note: atomic load] in ``state_dict.py``). The cost is memory: this rank's
+shards of the model and optimizer state once more during the load (for AdamW in fp32,
+3 x 4 bytes per parameter / world size; see ``load_checkpoint``). A fresh optimizer's
+state, which DCP needs to exist and ``get_state_dict`` creates, is removed again if
+the load fails.
 
 Resuming on another world size: ``extra`` (step, data position, anything global) is
 saved once and comes back unchanged, so a global data position carries over. Per-rank
@@ -46,50 +86,61 @@ it. Plain DCP unpickles ``.metadata`` with ``pickle`` and its non-tensor records
 goes through ``_MetadataUnpickler`` (only the classes DCP's ``Metadata`` is made of),
 non-tensor records and ``extra.pt`` through ``torch.load(weights_only=True)``, and DCP
 already reads tensor records with ``weights_only=True``. A refused file raises
-``CheckpointError`` naming it; ``extra.pt`` and the non-tensor records are read before
-any tensor, so a refused one leaves the model and optimizer as they were. The
-``COMPLETE`` marker is no defence here: it is plain JSON that anyone able to replace a
-file can rewrite too.
+``CheckpointError`` naming it; ``save_checkpoint`` refuses ``extra`` or ``rank_extra``
+that would not load this way, before writing anything. The ``COMPLETE`` marker is no
+defence here: it is plain JSON that anyone able to replace a file can rewrite too.
 """
 
-import dataclasses
-import io
-import json
 import os
-import pickle
 import re
 import shutil
 import warnings
-import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
-from torch.futures import Future
 
-MARKER = "COMPLETE"
-EXTRA_FILE = "extra.pt"
-_TMP_SUFFIX = ".tmp"
+from ._checkpoint_files import (
+    EXTRA_FILE,
+    MARKER,
+    TMP_SUFFIX,
+    CheckpointError,
+    SafeLoadPlanner,
+    SafeReader,
+    check_plain_data,
+    checksums,
+    data_files,
+    load_extra,
+    read_marker,
+    refuse_symlink,
+    verify_checksums,
+    write_extra,
+    write_marker,
+)
+
+__all__ = [
+    "EXTRA_FILE",
+    "MARKER",
+    "CheckpointError",
+    "LoadedCheckpoint",
+    "checkpoint_path",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_MARKER_VERSION = 2  # 2: sizes and CRC32s; none (1): sizes only
-_CHUNK_BYTES = 8 << 20  # checksums read files in chunks of this size
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory is incomplete, corrupted, or does not fit the model."""
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -134,7 +185,8 @@ def save_checkpoint(
     the original FQNs) and are written by ``dcp.save``, each rank its own shards. The
     checkpoint becomes visible only once complete (see [Note: checkpoint completion]).
     Afterwards the oldest complete checkpoints beyond ``keep_last`` are deleted; the one
-    just written never is.
+    just written never is. A failure on any rank raises on every rank (see [Note:
+    agreeing on failure]) and leaves the complete checkpoints as they were.
 
     Args:
         directory: parent directory, created if missing; shared by all ranks.
@@ -145,7 +197,7 @@ def save_checkpoint(
             ``torch.save`` and loadable with ``weights_only=True`` (tensors, numbers,
             strings, lists, dicts). Rank 0's copy is saved.
         rank_extra: this rank's own state (e.g. its generator state), saved keyed by
-            global rank.
+            global rank; plain data as ``extra``.
         keep_last: how many complete checkpoints to keep, at least 1.
 
     Returns:
@@ -153,6 +205,9 @@ def save_checkpoint(
 
     Raises:
         ValueError: ``keep_last < 1`` or ``step < 0``.
+        CheckpointError: on every rank, if any rank failed a step: ``extra`` or
+            ``rank_extra`` is not plain data, ``step_N.tmp`` or ``step_N`` is a symbolic
+            link (see [Note: no symlinks]), the directory is not writable, DCP failed.
     """
     if keep_last < 1:
         raise ValueError(
@@ -162,24 +217,39 @@ def save_checkpoint(
     if step < 0:
         raise ValueError(f"step must be non-negative (got {step})")
     final = checkpoint_path(directory, step)
-    staging = final + _TMP_SUFFIX
+    staging = final + TMP_SUFFIX
     rank, world_size = _rank(), _world_size()
+    is_writer = rank == 0
+
+    def check_extras() -> None:
+        if is_writer:
+            check_plain_data("save_checkpoint: extra", extra)
+        check_plain_data(f"save_checkpoint: rank {rank}'s rank_extra", rank_extra)
+
+    _agree("save_checkpoint: checking extra and rank_extra", check_extras)
     all_rank_extra = _gather_to_rank0(rank_extra)
-    if rank == 0:
-        _prepare_staging(staging)
-    _barrier()  # nobody writes into staging before rank 0 has emptied it
-    dcp.save(_state_dict(model, optimizer), checkpoint_id=staging)
-    if rank == 0:
-        saved = {"extra": extra, "rank_extra": all_rank_extra}
-        torch.save(saved, os.path.join(staging, EXTRA_FILE))
-    # Every rank's shards are on disk (dcp.save syncs its files) before the checksums.
-    _barrier()
-    checksums = _gather_checksums(staging)
-    if rank == 0:
-        _write_marker(staging, step, world_size, checksums)
-        _promote(staging, final)
-        _prune(directory, keep_last, keep=final)
-    _barrier()  # return only once the checkpoint is visible to every rank
+    # Nobody writes into staging before rank 0 has emptied it.
+    prepare = _on(is_writer, _prepare_staging, staging, final)
+    _agree(f"save_checkpoint: preparing {staging}", prepare)
+    state = _agree("save_checkpoint: get_state_dict", lambda: _state_dict(model, optimizer))
+    _dcp(
+        f"save_checkpoint: writing {staging} (dcp.save)",
+        lambda: dcp.save(state, checkpoint_id=staging),
+    )
+    saved = {"extra": extra, "rank_extra": all_rank_extra}
+    _agree(f"save_checkpoint: writing {EXTRA_FILE}", _on(is_writer, write_extra, staging, saved))
+    # Every rank's files are on disk (dcp.save returns once all are; the agreement
+    # above orders extra.pt) before anyone lists and checksums them.
+    stripe = _agree(
+        "save_checkpoint: checksumming",
+        lambda: checksums(staging, data_files(staging)[rank::world_size]),
+    )
+    stripes = _gather_to_rank0(stripe)
+    crc32 = None if stripes is None else {n: c for s in stripes.values() for n, c in s.items()}
+    _agree(
+        f"save_checkpoint: committing {final}",
+        _on(is_writer, _commit, staging, final, step, world_size, crc32, keep_last),
+    )
     return final
 
 
@@ -190,59 +260,35 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> di
     return {"model": model_sd, "optim": optim_sd}
 
 
-def _prepare_staging(staging: str) -> None:
-    # A leftover from an interrupted save of the same step would mix old and new files.
-    shutil.rmtree(staging, ignore_errors=True)
+def _prepare_staging(staging: str, final: str) -> None:
+    # Refused now rather than after the whole state dict was written; _promote checks
+    # the final directory again.
+    refuse_symlink(staging)
+    refuse_symlink(final)
+    if os.path.lexists(staging):
+        # A leftover from an interrupted save of the same step would mix old and new
+        # files. rmtree deletes links inside it, never what they point to.
+        shutil.rmtree(staging)
     os.makedirs(staging)
 
 
-def _data_files(path: str) -> list[str]:
-    """The names of the checkpoint's files, the marker excepted, sorted."""
-    return sorted(name for name in os.listdir(path) if name != MARKER)
-
-
-def _file_crc32(file: str) -> int:
-    crc = 0
-    with open(file, "rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _checksums(path: str, names: list[str]) -> dict[str, int]:
-    return {name: _file_crc32(os.path.join(path, name)) for name in names}
-
-
-def _gather_checksums(staging: str) -> dict[str, int] | None:
-    """Every file's CRC32 on rank 0 (``None`` elsewhere), each rank computing a stripe;
-    see [Note: checkpoint checksums]."""
-    names = _data_files(staging)
-    stripes = _gather_to_rank0(_checksums(staging, names[_rank() :: _world_size()]))
-    if stripes is None:
-        return None
-    return {name: crc for stripe in stripes.values() for name, crc in stripe.items()}
-
-
-def _write_marker(staging: str, step: int, world_size: int, checksums: dict[str, int]) -> None:
-    sizes = {name: os.path.getsize(os.path.join(staging, name)) for name in checksums}
-    marker = {
-        "version": _MARKER_VERSION,
-        "step": step,
-        "world_size": world_size,
-        "files": sizes,
-        "crc32": checksums,
-    }
-    partial = os.path.join(staging, MARKER + _TMP_SUFFIX)
-    with open(partial, "w") as f:
-        json.dump(marker, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, os.path.join(staging, MARKER))
+def _commit(
+    staging: str,
+    final: str,
+    step: int,
+    world_size: int,
+    crc32: dict[str, int],
+    keep_last: int,
+) -> None:
+    write_marker(staging, step, world_size, crc32)
+    _promote(staging, final)
+    _prune(os.path.dirname(final), keep_last, keep=final)
 
 
 def _promote(staging: str, final: str) -> None:
     """Rename ``staging`` to ``final``, the commit point of a save."""
-    if os.path.exists(final):
+    refuse_symlink(final)
+    if os.path.lexists(final):
         # Saving a step again (a run resumed from an older checkpoint): os.replace
         # cannot rename onto a non-empty directory. The new copy is complete in staging.
         shutil.rmtree(final)
@@ -264,7 +310,7 @@ def _fsync_dir(path: str) -> None:
 
 def _prune(directory: str, keep_last: int, keep: str) -> None:
     """Delete complete checkpoints older than the newest ``keep_last``, and stale
-    ``.tmp`` directories of earlier steps, never ``keep``."""
+    ``.tmp`` directories of earlier steps, never ``keep``, never through a link."""
     complete = _complete_checkpoints(directory)
     for _, path in complete[:-keep_last]:
         if path != keep:
@@ -272,14 +318,16 @@ def _prune(directory: str, keep_last: int, keep: str) -> None:
     newest = complete[-1][0] if complete else None
     for name in os.listdir(directory):
         step = _staging_step(name)
-        if step is not None and newest is not None and step < newest:
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        path = os.path.join(directory, name)
+        is_stale = step is not None and newest is not None and step < newest
+        if is_stale and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _staging_step(name: str) -> int | None:
-    if not name.endswith(_TMP_SUFFIX):
+    if not name.endswith(TMP_SUFFIX):
         return None
-    match = _STEP_DIR.match(name[: -len(_TMP_SUFFIX)])
+    match = _STEP_DIR.match(name[: -len(TMP_SUFFIX)])
     return int(match.group(1)) if match else None
 
 
@@ -292,18 +340,30 @@ def latest_checkpoint(directory: str) -> str | None:
     """The newest complete and intact checkpoint under ``directory``, or ``None``.
 
     ``.tmp`` directories are skipped silently (interrupted saves). Final directories
-    without a valid ``COMPLETE`` marker, or whose files differ from the marker's sizes
-    or checksums, are skipped with a warning saying why. Checkpoints are verified newest
-    first until one passes, which reads every file of that checkpoint (see [Note:
-    checkpoint checksums]); no process group is needed, so every rank can call it.
+    that are symbolic links, lack a valid ``COMPLETE`` marker, or whose files differ
+    from the marker's sizes or checksums, are skipped with a warning saying why.
+    Checkpoints are verified newest first until one passes, which reads every file of
+    that checkpoint once (see [Note: checkpoint checksums]).
+
+    Under a process group it is collective: every rank must call it, each verifies a
+    stripe of the files, and all return the same path (a checkpoint only some ranks
+    see is skipped). Without one it verifies whole checkpoints in this process.
     """
-    for _, path in reversed(_complete_checkpoints(directory, warn=True)):
-        try:
-            _verify_checksums(path, _read_marker(path))
-        except CheckpointError as exc:
-            warnings.warn(f"skipping checkpoint: {exc}", stacklevel=2)
+    listed = _all_gather([path for _, path in _complete_checkpoints(directory, warn=True)])
+    seen_by_all = set.intersection(*(set(paths) for paths in listed))
+    rank, world_size = _rank(), _world_size()
+    for path in reversed(listed[0]):
+        if path not in seen_by_all:
             continue
-        return path
+        try:
+            verify_checksums(path, read_marker(path), slice(rank, None, world_size))
+            problem = None
+        except Exception as exc:  # noqa: BLE001 - unreadable is as bad as corrupted: next
+            problem = str(exc) if isinstance(exc, CheckpointError) else _describe(exc)
+        problems = [p for p in _all_gather(problem) if p is not None]
+        if not problems:
+            return path
+        warnings.warn(f"skipping checkpoint: {problems[0]}", stacklevel=2)
     return None
 
 
@@ -316,86 +376,16 @@ def _complete_checkpoints(directory: str, *, warn: bool = False) -> list[tuple[i
     for name in os.listdir(directory):
         match = _STEP_DIR.match(name)
         path = os.path.join(directory, name)
-        if match is None or not os.path.isdir(path):
+        if match is None or not (os.path.islink(path) or os.path.isdir(path)):
             continue
         try:
-            _read_marker(path)
+            read_marker(path)
         except CheckpointError as exc:
             if warn:
                 warnings.warn(f"skipping checkpoint: {exc}", stacklevel=3)
             continue
         found.append((int(match.group(1)), path))
     return sorted(found)
-
-
-def _read_marker(path: str) -> dict[str, Any]:
-    """The marker of the complete checkpoint at ``path``; see [Note: checkpoint completion].
-
-    Raises:
-        CheckpointError: naming ``path`` and what is wrong with it.
-    """
-    if path.rstrip(os.sep).endswith(_TMP_SUFFIX):
-        raise CheckpointError(f"checkpoint {path} is a partial save (its name ends in .tmp)")
-    marker_path = os.path.join(path, MARKER)
-    try:
-        with open(marker_path) as f:
-            marker = json.load(f)
-        step, world_size, sizes = marker["step"], marker["world_size"], marker["files"]
-        checksums = marker["crc32"] if marker.get("version") else None
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete: no {MARKER} marker (the save was interrupted)"
-        ) from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(
-            f"checkpoint {path} has an unreadable {MARKER} marker: {exc}"
-        ) from exc
-    for name, size in sizes.items():
-        file = os.path.join(path, name)
-        actual = os.path.getsize(file) if os.path.isfile(file) else None
-        if actual != size:
-            found = "missing" if actual is None else f"{actual} bytes"
-            raise CheckpointError(
-                f"checkpoint {path} is corrupted: {name} is {found}, the marker says {size} bytes"
-            )
-    return {"step": step, "world_size": world_size, "crc32": checksums}
-
-
-def _verify_checksums(path: str, marker: dict[str, Any], stripe: slice = slice(None)) -> None:
-    """Check the CRC32s of the marker's files (sorted, ``stripe`` of them) against the
-    marker's; see [Note: checkpoint checksums].
-
-    Raises:
-        CheckpointError: naming the first file whose checksum differs.
-    """
-    expected = marker["crc32"]
-    if expected is None:
-        warnings.warn(
-            f"checkpoint {path} has no checksums (saved before they were recorded): "
-            "only its file sizes are checked",
-            stacklevel=3,
-        )
-        return
-    for name in sorted(expected)[stripe]:
-        actual = _file_crc32(os.path.join(path, name))
-        if actual != expected[name]:
-            raise CheckpointError(
-                f"checkpoint {path} is corrupted: {name} has CRC32 {actual:08x}, "
-                f"the marker says {expected[name]:08x}"
-            )
-
-
-def _verify_checksums_everywhere(path: str, marker: dict[str, Any]) -> None:
-    """Every rank verifies its stripe of the files, then all agree: the same
-    ``CheckpointError`` on every rank if any stripe fails."""
-    try:
-        _verify_checksums(path, marker, slice(_rank(), None, _world_size()))
-        error = None
-    except CheckpointError as exc:
-        error = str(exc)
-    first = next((e for e in _all_gather(error) if e is not None), None)
-    if first is not None:
-        raise CheckpointError(first)
 
 
 def load_checkpoint(
@@ -405,7 +395,11 @@ def load_checkpoint(
 
     Every rank must call it. The model may be sharded differently from the one saved
     (another world size, HSDP, FSDP + TP): ``dcp.load`` reads each rank's part of every
-    tensor from whichever files hold it, and ``set_state_dict`` copies it in.
+    tensor from whichever files hold it. Nothing changes unless everything was read and
+    verified (see [Note: atomic checkpoint load]): marker, sizes, checksums,
+    ``extra.pt``, every record and tensor. Memory: the tensors are read into a staging
+    copy first, so this rank's shards of the model and optimizer state are held twice
+    until they are copied in (AdamW, fp32: 12 bytes per parameter / world size more).
 
     Args:
         path: a checkpoint directory, e.g. from ``latest_checkpoint``.
@@ -416,27 +410,36 @@ def load_checkpoint(
         The step, saved world size, ``extra`` and this rank's ``rank_extra``.
 
     Raises:
-        CheckpointError: naming ``path``, if the checkpoint is incomplete or corrupted
-            (sizes or checksums differ from the marker's; checked before the model or
-            optimizer changes), if a file holds more than plain data (see [Note: loading
-            runs no code]), or if DCP cannot load it into this model.
+        CheckpointError: on every rank, with the model and optimizer unchanged, if the
+            checkpoint is incomplete or corrupted (sizes or checksums differ from the
+            marker's), if ``path`` or a file in it is a symbolic link (see [Note: no
+            symlinks]), if a file holds more than plain data (see [Note: loading runs
+            no code]), or if DCP cannot read it into this model; the message names the
+            failing rank (see [Note: agreeing on failure]).
     """
-    marker = _read_marker(path)
-    _verify_checksums_everywhere(path, marker)
-    saved = _load_extra(path)  # before the model changes: a bad extra.pt leaves it as it was
-    state = _state_dict(model, optimizer)
+    rank, world_size = _rank(), _world_size()
+    marker = _agree(f"load_checkpoint: reading the {MARKER} marker", lambda: read_marker(path))
+    _agree(
+        "load_checkpoint: verifying checksums",
+        lambda: verify_checksums(path, marker, slice(rank, None, world_size)),
+    )
+    saved = _agree(f"load_checkpoint: reading {EXTRA_FILE}", lambda: load_extra(path))
+    had_state = optimizer is not None and bool(optimizer.state)
     try:
-        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
-    # DCP gathers every rank's failure into a CheckpointException, a BaseException.
-    except (Exception, dcp.CheckpointException) as exc:
-        cause = _refusal(exc) or exc
-        raise CheckpointError(f"could not load checkpoint {path}: {cause}") from exc
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        staged = _agree("load_checkpoint: staging", lambda: _staging_state_dict(model, optimizer))
+        reader = SafeReader(path, set(marker["files"]))
+        _dcp(
+            f"load_checkpoint: reading {path}",
+            lambda: dcp.load(staged, storage_reader=reader, planner=SafeLoadPlanner()),
         )
+    except CheckpointError:
+        if optimizer is not None and not had_state:
+            optimizer.state.clear()  # get_state_dict created it; see [Note: atomic checkpoint load]
+        raise
+    _agree(
+        "load_checkpoint: loading into the model and optimizer",
+        lambda: _load_staged(model, optimizer, staged),
+    )
     return LoadedCheckpoint(
         step=marker["step"],
         world_size=marker["world_size"],
@@ -445,131 +448,35 @@ def load_checkpoint(
     )
 
 
-def _load_extra(path: str) -> dict[str, Any]:
-    file = os.path.join(path, EXTRA_FILE)
-    try:
-        return torch.load(file, weights_only=True)  # see [Note: loading runs no code]
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(
-            f"checkpoint {path}: refused to load {EXTRA_FILE}, it holds more than plain data "
-            f"(tensors, numbers, strings, lists, dicts): {exc}"
-        ) from exc
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {path}: could not read {EXTRA_FILE}: {exc}") from exc
+def _staging_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    """A state dict of the model and optimizer for ``dcp.load`` to read into, sharing no
+    tensor with them; see [Note: atomic checkpoint load]."""
+    return _staging_copy(_state_dict(model, optimizer))
 
 
-def _refusal(exc: BaseException) -> CheckpointError | None:
-    """The ``CheckpointError`` our reader or planner raised inside ``dcp.load``, which
-    gathers every rank's failure into ``CheckpointException.failures`` as
-    ``{rank: (exception, traceback)}``; ``None`` if there is none."""
-    for failure in (getattr(exc, "failures", None) or {}).values():
-        if isinstance(failure, tuple) and isinstance(failure[0], CheckpointError):
-            return failure[0]
-    return None
+def _staging_copy(tree: Any) -> Any:
+    """``tree`` with fresh containers and every tensor replaced by an uninitialized one
+    of the same shape, dtype, device and (for a DTensor) mesh and placements."""
+    if isinstance(tree, torch.Tensor):
+        return torch.empty_like(tree)
+    if isinstance(tree, dict):
+        return {key: _staging_copy(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_staging_copy(value) for value in tree]
+    return tree  # numbers, strings, tuples: immutable, and DCP replaces them whole
 
 
-# ---------------------------------------------------------------------------
-# Restricted reading (see [Note: loading runs no code])
-# ---------------------------------------------------------------------------
-
-# Every global a ``.metadata`` pickle of torch 2.11-2.14 refers to, found by unpickling
-# real checkpoints (plain and sharded models; SGD, Adam(amsgrad), AdamW with a tensor
-# lr; float32 and bfloat16) with a find_class that records its arguments. All are
-# dataclasses, enums or value types whose construction has no side effect;
-# ``torch.serialization._get_layout`` maps a name such as "torch.strided" to a layout.
-_METADATA_GLOBALS = frozenset(
-    {
-        ("torch.distributed.checkpoint.metadata", "Metadata"),
-        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
-        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
-        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
-        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch.serialization", "_get_layout"),
-        ("torch", "Size"),
-        # StorageMeta.checkpoint_id is the path the checkpoint was saved to.
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-    }
-    # TensorProperties.dtype pickles as the global torch.<dtype name>.
-    | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
-)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``Metadata``, refusing every global outside ``_METADATA_GLOBALS``."""
-
-    def __init__(self, file: io.BufferedReader, path: str) -> None:
-        super().__init__(file)
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _METADATA_GLOBALS:
-            raise CheckpointError(
-                f"checkpoint file {self.path} refers to {module}.{name}, which DCP's "
-                "metadata never holds: refused to load it (it could run code); the file "
-                "was not written by torch.distributed.checkpoint or was tampered with"
-            )
-        return super().find_class(module, name)
-
-
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file system reader, reading ``.metadata`` with ``_MetadataUnpickler``."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        # DCP names a rank-local metadata file __{rank}.metadata (when saved without
-        # coordination); ours are always the global one.
-        rank = kwargs.get("rank")
-        name = ".metadata" if rank is None else f"__{rank}.metadata"
-        file = os.path.join(str(self.path), name)
-        with open(file, "rb") as f:
-            try:
-                metadata = _MetadataUnpickler(f, file).load()
-            except CheckpointError:
-                raise
-            except Exception as exc:
-                raise CheckpointError(f"checkpoint file {file} is unreadable: {exc}") from exc
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(
-                f"checkpoint file {file} holds a {type(metadata).__name__}, not DCP's Metadata"
-            )
-        # As FileSystemReader.read_metadata does.
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        # Non-tensor records first: one refused by _SafeLoadPlanner then raises before
-        # any tensor was copied into the model (DCP loads tensors in place).
-        is_bytes = [item.type == LoadItemType.BYTE_IO for item in plan.items]
-        records = [item for item, b in zip(plan.items, is_bytes) if b]
-        tensors = [item for item, b in zip(plan.items, is_bytes) if not b]
-        super().read_data(dataclasses.replace(plan, items=records), planner).wait()
-        return super().read_data(dataclasses.replace(plan, items=tensors), planner)
-
-
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, reading non-tensor records with ``weights_only=True``
-    (``DefaultLoadPlanner.load_bytes`` uses ``weights_only=False``)."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, weights_only=True)
-        except Exception as exc:
-            raise CheckpointError(
-                f"checkpoint record {fqn} holds more than plain data: refused to load it "
-                f"(it could run code): {exc}"
-            ) from exc
-        # The rest is DefaultLoadPlanner.load_bytes.
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
+def _load_staged(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, staged: dict[str, Any]
+) -> None:
+    if optimizer is None:
+        set_model_state_dict(model, staged["model"])
+    else:
+        set_state_dict(
+            model, optimizer, model_state_dict=staged["model"], optim_state_dict=staged["optim"]
+        )
 
 
 def _own_rank_extra(
@@ -580,6 +487,67 @@ def _own_rank_extra(
     if all_rank_extra is None or saved_world_size != _world_size():
         return None
     return all_rank_extra.get(_rank())
+
+
+# ---------------------------------------------------------------------------
+# Agreeing on failure (see [Note: agreeing on failure])
+# ---------------------------------------------------------------------------
+
+
+def _agree(step: str, fn: Callable[[], _T]) -> _T:
+    """Run ``fn``, this rank's part of ``step``, then learn whether every rank's part
+    succeeded: one ``all_gather_object`` of the outcomes.
+
+    Returns:
+        ``fn``'s result on this rank.
+
+    Raises:
+        CheckpointError: on every rank if ``fn`` raised on any: the same message on
+            every rank, chained to the original on the rank that raised it.
+    """
+    try:
+        result, error = fn(), None
+    except Exception as exc:  # noqa: BLE001 - any failure: every rank must hear of it
+        result, error = None, exc
+    outcomes = _all_gather(None if error is None else _describe(error))
+    failures = {rank: outcome for rank, outcome in enumerate(outcomes) if outcome is not None}
+    if failures:
+        raise _failed(step, failures) from error
+    return result  # type: ignore[return-value]
+
+
+def _dcp(step: str, fn: Callable[[], Any]) -> None:
+    """Run ``dcp.save`` or ``dcp.load``, which gather every rank's failure into a
+    ``CheckpointException`` (a ``BaseException``) raised on every rank, and raise it as
+    the same ``CheckpointError`` as ``_agree`` would."""
+    try:
+        fn()
+    except dcp.CheckpointException as exc:
+        # failures: {rank: (exception, traceback)} in torch 2.11-2.14.
+        failures = {
+            rank: _describe(failure[0] if isinstance(failure, tuple) else failure)
+            for rank, failure in sorted((getattr(exc, "failures", None) or {}).items())
+        }
+        raise _failed(step, failures or {_rank(): _describe(exc)}) from exc
+
+
+def _on(is_mine: bool, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """``fn(*args)`` as a step that only this rank does if ``is_mine`` (rank 0's work)."""
+    return (lambda: fn(*args)) if is_mine else (lambda: None)
+
+
+def _describe(error: BaseException) -> str:
+    # Our own errors already say what and where; others need their type.
+    if isinstance(error, CheckpointError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def _failed(step: str, failures: dict[int, str]) -> CheckpointError:
+    first, message = next(iter(failures.items()))
+    others = [rank for rank in failures if rank != first]
+    also = f" (and on ranks {others})" if others else ""
+    return CheckpointError(f"{step} failed on rank {first}{also}: {message}")
 
 
 # ---------------------------------------------------------------------------
@@ -595,11 +563,6 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _all_gather(value: Any) -> list[Any]:
     """Every rank's ``value``, in rank order, on every rank."""
     if not dist.is_initialized():
@@ -609,9 +572,10 @@ def _all_gather(value: Any) -> list[Any]:
     return gathered
 
 
-def _gather_to_rank0(value: dict[str, Any] | None) -> dict[int, Any] | None:
+def _gather_to_rank0(value: Any) -> dict[int, Any] | None:
     """Every rank's ``value`` keyed by global rank, on rank 0 (``None`` elsewhere or if
-    no rank gave one)."""
+    no rank gave one). Only for values known to pickle: a pickling error would raise on
+    one rank before the collective."""
     if not dist.is_initialized():
         return None if value is None else {0: value}
     gathered: list[Any] | None = [None] * _world_size() if _rank() == 0 else None

@@ -233,11 +233,12 @@ class FSDPModule:
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """``nn.Module.load_state_dict``, atomic: keys, shapes and dtypes are checked for
-        the whole state dict before any value is copied. Values may be sharded DTensors
-        of any placement or plain full tensors."""
+        """``nn.Module.load_state_dict``, atomic: keys and every value (type, device,
+        shape, dtype) are checked for the whole state dict before any value is copied
+        (see ``validate_state_dict``). Values may be sharded DTensors of any placement or
+        plain full tensors."""
         original_name = type(self).__mro__[2].__name__  # FSDP<cls>, FSDPModule, <cls>
-        validate_state_dict(self, original_name, state_dict, strict)  # type: ignore[arg-type]
+        validate_state_dict(self, original_name, state_dict, strict, assign)  # type: ignore[arg-type]
         return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
 
     def reshard(self) -> None:

@@ -21,11 +21,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from dtensor_fsdp._checkpoint_files import checksums, data_files, write_marker
 from dtensor_fsdp.checkpoint import (
     CheckpointError,
-    _checksums,
-    _data_files,
-    _write_marker,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -63,7 +61,7 @@ def _save(directory: Path) -> str:
 
 def _forge_marker(path: str) -> None:
     """Rewrite ``COMPLETE`` to match the tampered files, as an attacker can."""
-    _write_marker(path, STEP, 1, _checksums(path, _data_files(path)))
+    write_marker(path, STEP, 1, checksums(path, data_files(path)))
 
 
 def _assert_refused(path: str, match: str, marker: Path) -> None:
