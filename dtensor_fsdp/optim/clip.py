@@ -201,9 +201,11 @@ def _split_by_mesh(
 
 
 def _result_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
-    dtype = tensors[0].dtype
-    for tensor in tensors[1:]:
-        dtype = torch.promote_types(dtype, tensor.dtype)
+    """The dtype ``torch.stack`` of the tensors' norms has, as torch's total."""
+    dtypes = {tensor.dtype for tensor in tensors}
+    dtype = dtypes.pop()
+    for other in dtypes:
+        dtype = torch.promote_types(dtype, other)
     return dtype
 
 
@@ -292,8 +294,12 @@ def _scale_(
     grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, foreach: bool | None
 ) -> None:
     """Multiply the grads' local tensors by ``min(max_norm / (total + 1e-6), 1)``, as
-    ``torch.nn.utils.clip_grads_with_norm_`` does (no host sync on the coefficient)."""
+    ``torch.nn.utils.clip_grads_with_norm_`` does. On the CPU a coefficient of 1 skips
+    the multiply (``x * 1.0 == x`` exactly); on an accelerator reading it would be a
+    host sync, so the multiply runs, as in torch."""
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if clip_coef.device.type == "cpu" and clip_coef.item() >= 1.0:
+        return
     by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in grads:
         local = _local(grad)
