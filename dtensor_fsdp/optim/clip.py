@@ -67,9 +67,12 @@ def get_total_norm(
 
     Returns:
         The total norm: a DTensor with ``Replicate`` placements on the tensors' mesh when
-        they are DTensors of exactly one mesh (as torch's returns for DTensors, so
-        ``.full_tensor()`` and ``.item()`` work), else a plain 0-dim tensor; on every rank
-        the same value. Its dtype is the grads' promoted dtype, as torch's.
+        they are DTensors of exactly one mesh (torch's is a DTensor too, ``Replicate``,
+        or ``Partial(max)`` for the inf-norm; ``.full_tensor()`` and ``.item()`` give
+        the total for both, and ours' ``.to_local()`` too), else a plain 0-dim tensor;
+        on every rank the same value. Its dtype is the grads' promoted dtype, as
+        torch's. ``norm_type=0`` (torch counts the tensors holding a non-zero, which
+        no sum of local terms gives) is computed by torch's own function.
 
     Raises:
         ValueError: a DTensor has a ``Partial`` placement (its local tensor holds summands).
@@ -80,6 +83,10 @@ def get_total_norm(
     norm_type = float(norm_type)
     if not tensors:
         return torch.tensor(0.0)
+    if norm_type == 0:
+        # torch's 0-"norm" counts the tensors with a non-zero element (the 0-norm of the
+        # per-tensor norms), which no sum of local terms gives: torch's own, on DTensors.
+        return torch.nn.utils.get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
     meshes, plain = _split_by_mesh(tensors)
     first_device = _local(tensors[0]).device
     dtype = _result_dtype(tensors)
@@ -156,12 +163,19 @@ def clip_grad_norm_(
     grads = [p.grad for p in parameters if p.grad is not None]
     total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     if grads:
-        _scale_(grads, float(max_norm), _local(total), foreach)
+        _scale_(grads, float(max_norm), _value(total), foreach)
     return total
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _value(total: torch.Tensor) -> torch.Tensor:
+    """The total norm as a plain tensor (torch's, for norm_type 0, may be Partial)."""
+    if isinstance(total, DTensor) and not all(p.is_replicate() for p in total.placements):
+        return total.full_tensor()
+    return _local(total)
 
 
 def _split_by_mesh(
@@ -185,7 +199,9 @@ def _split_by_mesh(
         group = meshes.get(mesh)
         if group is None:
             group = meshes[mesh] = _MeshTerms(tensor._local_tensor.device)
-        sharded = frozenset(axis for axis, p in enumerate(placements) if p.is_shard())
+        # Every placement but Replicate (and Partial, refused above) shards: Shard and
+        # _StridedShard (FSDP over TP's dim), which is no Shard subclass in torch 2.13.
+        sharded = frozenset(axis for axis, p in enumerate(placements) if not p.is_replicate())
         group.reduce_axes |= sharded
         group.counted.append((tensor._local_tensor, sharded))
     for mesh, group in meshes.items():
@@ -235,8 +251,8 @@ def _combine(
     norms: list[torch.Tensor], norm_type: float, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
     """One 0-dim term that the all-reduce (and then `_combine_terms`) can add up:
-    the sum of ``norm ** p`` (p = 0: of the counts of non-zeros), the max (inf) or the
-    min (-inf); the identity of that reduction for no norms."""
+    the sum of ``norm ** p``, the max (inf) or the min (-inf); the identity of that
+    reduction for no norms."""
     if not norms:
         identity = math.inf if norm_type == -math.inf else 0.0
         return torch.tensor(identity, device=device, dtype=dtype)
@@ -245,8 +261,6 @@ def _combine(
         return stacked.max()
     if norm_type == -math.inf:
         return stacked.min()
-    if norm_type == 0:
-        return stacked.sum()
     return stacked.pow(norm_type).sum()
 
 
@@ -257,8 +271,7 @@ def _combine_terms(terms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         return stacked.max()
     if norm_type == -math.inf:
         return stacked.min()
-    total = stacked.sum()
-    return total if norm_type == 0 else total.pow(1.0 / norm_type)
+    return stacked.sum().pow(1.0 / norm_type)
 
 
 def _all_reduce(term: torch.Tensor, mesh: DeviceMesh, axes: set[int], norm_type: float) -> None:
