@@ -15,6 +15,8 @@ offload, ``torch.amp.GradScaler`` (with a skipped step on inf grads), and the
 optimizer state dicts (``optimizer.state_dict()`` and ``get_state_dict``, fresh and
 trained) against torch's.
 
+FSDP + TP (in the 4-rank spawn): the same three runs on a 2 x 2 (dp, tp) mesh.
+
 Checkpoints: ``dtensor_fsdp.checkpoint`` saves at W=2 after ``K`` local-shard steps;
 resuming at W=2 continues bitwise equal to the uninterrupted run; at W=4 and W=1 (one
 spawn each) the loaded params and optimizer state equal the saved ones exactly, the
@@ -37,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_fsdp import CPUOffloadPolicy, fully_shard
 from dtensor_fsdp.checkpoint import load_checkpoint, save_checkpoint
-from dtensor_fsdp.models.llama import Llama, LlamaConfig, cross_entropy_loss
+from dtensor_fsdp.models.llama import Llama, LlamaConfig, apply_tensor_parallel, cross_entropy_loss
 from dtensor_fsdp.optim import step_on_local_shards
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests.dist._optim_cases import CASES
@@ -58,6 +60,7 @@ PARITY_CASES = (
 )
 CKPT_CASE = "adamw_groups_steplr"  # StepLR(5): the decay falls after the checkpoint
 K, M = 3, 3  # steps before and after the checkpoint
+TP_STEPS = 5
 # Resumed at another world size, the grads sum the ranks' terms in another order: a few
 # ulps, amplified by AdamW over M steps; the losses stay within this (as in
 # test_state_dict.py).
@@ -77,16 +80,22 @@ class Run:
     scheduler: object | None
     scaler: torch.amp.GradScaler | None = None
     losses: list[float] = field(default_factory=list)
+    dp: tuple[int, int] | None = None  # (rank, size) among data-parallel ranks; None: world
 
 
 def _mesh() -> DeviceMesh:
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def _run(mesh: DeviceMesh, kind: str, case: str, *, offload: bool = False) -> Run:
-    """``kind``: torch's fully_shard, ours stepped on DTensors, or ours on local shards."""
+def _run(
+    mesh: DeviceMesh, kind: str, case: str, *, offload: bool = False, tp_mesh: DeviceMesh | None = None
+) -> Run:
+    """``kind``: torch's fully_shard, ours stepped on DTensors, or ours on local shards;
+    with ``tp_mesh``, tensor parallelism first (FSDP + TP)."""
     torch.manual_seed(0)
     model = Llama(CONFIG)
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh)
     if kind == "torch":
         shard, policy = torch_fully_shard, TorchCPUOffloadPolicy
     else:
@@ -101,17 +110,19 @@ def _run(mesh: DeviceMesh, kind: str, case: str, *, offload: bool = False) -> Ru
     return Run(model, optimizer, scheduler)
 
 
-def _tokens(step: int) -> torch.Tensor:
-    """This rank's rows of the global batch of ``step``: (GLOBAL_BATCH / W, T + 1)."""
+def _tokens(step: int, dp: tuple[int, int] | None) -> torch.Tensor:
+    """This data-parallel rank's rows of the global batch of ``step``:
+    (GLOBAL_BATCH / dp size, T + 1)."""
+    rank, size = dp or (dist.get_rank(), dist.get_world_size())
     generator = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(
         0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.max_seq_len + 1), generator=generator
     )
-    return tokens.chunk(dist.get_world_size())[dist.get_rank()]
+    return tokens.chunk(size)[rank]
 
 
 def _backward(run: Run, step: int, scale: float = 1.0) -> None:
-    tokens = _tokens(step)
+    tokens = _tokens(step, run.dp)
     loss = cross_entropy_loss(run.model(tokens[:, :-1]), tokens[:, 1:])
     run.losses.append(mean_over_world(loss))
     loss = loss * scale
@@ -179,6 +190,24 @@ def _scenario_parity(mesh: DeviceMesh, case: str, *, offload: bool = False) -> d
         "full": {n: full(p) for n, p in runs["ours_local"].model.named_parameters()},
         "reference": {n: p.detach().clone() for n, p in reference.named_parameters()},
         "devices": {p.to_local().device.type for p in runs["ours_local"].model.parameters()},
+    }
+
+
+def _scenario_fsdp_tp() -> dict:
+    """FSDP + TP on a 2 x 2 (dp, tp) mesh: params with (_StridedShard, Shard),
+    (Shard, Shard) and (Shard, Replicate) placements."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    runs = {}
+    for kind in KINDS:
+        run = runs[kind] = _run(mesh["dp"], kind, "adamw_groups_steplr", tp_mesh=mesh["tp"])
+        run.dp = (mesh.get_local_rank("dp"), 2)
+        _train(run, range(TP_STEPS))
+    return {
+        "losses": {kind: run.losses for kind, run in runs.items()},
+        "locals": {kind: _locals(run.model) for kind, run in runs.items()},
+        "placements": {
+            tuple(p.placements) for p in runs["ours_local"].model.parameters()
+        },
     }
 
 
@@ -298,7 +327,10 @@ def _worker_2(rank: int, world_size: int, directory: str) -> dict:
 
 def _load_worker(rank: int, world_size: int, path: str) -> dict:
     mesh = _mesh()
-    return run_scenarios({"load": lambda: _scenario_load(mesh, path)})
+    scenarios = {"load": lambda: _scenario_load(mesh, path)}
+    if world_size == 4:
+        scenarios["fsdp_tp"] = _scenario_fsdp_tp
+    return run_scenarios(scenarios)
 
 
 # ---------------------------------------------------------------------------
@@ -387,6 +419,17 @@ def test_checkpoint_resume_same_world_is_bitwise(runs: dict) -> None:
         assert rec["resumed_losses"] == rec["losses"][K:], f"rank {rank}"
         _assert_equal(rec["resumed_locals"], rec["locals"], f"rank {rank} resumed params")
         assert rec["lr"][0] == rec["lr"][1] == 1e-2 * 0.5, "StepLR decayed after the resume"
+
+
+def test_fsdp_tp_bitwise_equal_to_torch(runs: dict) -> None:
+    records = scenario_records(runs["loaded"][4], "fsdp_tp")
+    for rank, rec in enumerate(records):
+        assert len(rec["losses"]["torch"]) == TP_STEPS
+        assert rec["losses"]["ours_local"] == rec["losses"]["ours"] == rec["losses"]["torch"]
+        _assert_equal(rec["locals"]["ours_local"], rec["locals"]["torch"], f"rank {rank}")
+        _assert_equal(rec["locals"]["ours"], rec["locals"]["torch"], f"rank {rank}")
+    placements = {str(p) for p in records[0]["placements"]}
+    assert any("_StridedShard" in p for p in placements) and any("Replicate" in p for p in placements)
 
 
 @pytest.mark.parametrize("world_size", [4, 1])
