@@ -101,7 +101,9 @@ def get_total_norm(
         )
         _all_reduce(local, mesh, group.reduce_axes, norm_type)
         terms.append(local.to(first_device))
-    terms.append(_combine(_local_norms(plain, norm_type, foreach), norm_type, first_device, acc_dtype))
+    terms.append(
+        _combine(_local_norms(plain, norm_type, foreach), norm_type, first_device, acc_dtype)
+    )
     total = _combine_terms(terms, norm_type).to(dtype)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(

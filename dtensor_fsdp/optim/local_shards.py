@@ -71,8 +71,17 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
     for cls in (
         getattr(torch.optim, name, None)
         for name in (
-            "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax",
-            "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop",
+            "SGD",
+            "Adam",
+            "AdamW",
+            "Adagrad",
+            "Adadelta",
+            "Adamax",
+            "ASGD",
+            "NAdam",
+            "RAdam",
+            "RMSprop",
+            "Rprop",
         )
     )
     if cls is not None
@@ -222,7 +231,9 @@ class LocalShardStep:
         for entry in plan.entries:
             entry.alias.grad = None
             lstate = local_state.get(entry.alias)
-            if lstate is not None and not _unchanged(lstate, entry.lstate, entry.names, entry.lvalues):
+            if lstate is not None and not _unchanged(
+                lstate, entry.lstate, entry.names, entry.lvalues
+            ):
                 _sync_state(entry, lstate)
         if len(local_state) != plan.synced_len:
             _append_new_state(plan)

@@ -80,12 +80,16 @@ CASES: dict[str, Case] = {
         _plain(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
     ),
     "sgd_foreach": Case(_plain(torch.optim.SGD, lr=0.05, momentum=0.9, foreach=True)),
-    "adagrad": Case(_plain(torch.optim.Adagrad, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1)),
+    "adagrad": Case(
+        _plain(torch.optim.Adagrad, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1)
+    ),
     "rmsprop_centered": Case(_plain(torch.optim.RMSprop, lr=1e-3, momentum=0.9, centered=True)),
     "adadelta": Case(_plain(torch.optim.Adadelta, lr=1.0)),
     "adamax": Case(_plain(torch.optim.Adamax, lr=1e-2)),
     "asgd": Case(_plain(torch.optim.ASGD, lr=1e-2, t0=2)),
-    "nadam": Case(_plain(torch.optim.NAdam, lr=1e-2, decoupled_weight_decay=True, weight_decay=0.01)),
+    "nadam": Case(
+        _plain(torch.optim.NAdam, lr=1e-2, decoupled_weight_decay=True, weight_decay=0.01)
+    ),
     "radam": Case(_plain(torch.optim.RAdam, lr=1e-2)),
     "rprop": Case(_plain(torch.optim.Rprop, lr=1e-2)),
     "lion": Case(_plain(Lion, lr=1e-3, weight_decay=0.1), elementwise=True),

@@ -24,7 +24,6 @@ local-shard step and the DTensor step continue bitwise equal to each other, and 
 losses match the uninterrupted run's to fp32 reduction-order rounding.
 """
 
-import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -88,7 +87,12 @@ def _mesh() -> DeviceMesh:
 
 
 def _run(
-    mesh: DeviceMesh, kind: str, case: str, *, offload: bool = False, tp_mesh: DeviceMesh | None = None
+    mesh: DeviceMesh,
+    kind: str,
+    case: str,
+    *,
+    offload: bool = False,
+    tp_mesh: DeviceMesh | None = None,
 ) -> Run:
     """``kind``: torch's fully_shard, ours stepped on DTensors, or ours on local shards;
     with ``tp_mesh``, tensor parallelism first (FSDP + TP)."""
@@ -205,9 +209,7 @@ def _scenario_fsdp_tp() -> dict:
     return {
         "losses": {kind: run.losses for kind, run in runs.items()},
         "locals": {kind: _locals(run.model) for kind, run in runs.items()},
-        "placements": {
-            tuple(p.placements) for p in runs["ours_local"].model.parameters()
-        },
+        "placements": {tuple(p.placements) for p in runs["ours_local"].model.parameters()},
     }
 
 
@@ -226,7 +228,7 @@ def _scenario_grad_scaler(mesh: DeviceMesh) -> dict:
         "scales": scales,
         "locals": {kind: _locals(run.model) for kind, run in runs.items()},
         "steps": {
-            kind: [s["step"].item() for s in run.optimizer.state.values()][0]
+            kind: next(iter(run.optimizer.state.values()))["step"].item()
             for kind, run in runs.items()
         },
     }
@@ -236,8 +238,13 @@ def _describe(value: object) -> object:
     """A state-dict value as comparable plain data: DTensors by type, placements,
     global shape, stride and local values; containers recursively."""
     if isinstance(value, DTensor):
-        return ("DTensor", tuple(value.placements), tuple(value.shape), value.stride(),
-                value.to_local().clone())
+        return (
+            "DTensor",
+            tuple(value.placements),
+            tuple(value.shape),
+            value.stride(),
+            value.to_local().clone(),
+        )
     if isinstance(value, torch.Tensor):
         return ("Tensor", tuple(value.shape), value.clone())
     if isinstance(value, dict):
@@ -351,8 +358,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
     assert sorted(a) == sorted(b), what
-    for key in a:
-        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), f"{what}: {key}"
+    for key, value in a.items():
+        assert value.dtype == b[key].dtype and torch.equal(value, b[key]), f"{what}: {key}"
 
 
 def _assert_parity(records: list[dict]) -> None:
@@ -407,7 +414,9 @@ def test_state_dicts_match_torch(runs: dict) -> None:
     ``get_state_dict`` (fresh: its lr=0 initializing step ran through our wrapper)."""
     for rank, rec in enumerate(scenario_records(runs["two"], "state_dicts")):
         for what in ("fresh", "trained", "optimizer"):
-            _assert_same_described(rec["ours_local"][what], rec["torch"][what], f"rank {rank} {what}")
+            _assert_same_described(
+                rec["ours_local"][what], rec["torch"][what], f"rank {rank} {what}"
+            )
         trained = rec["ours_local"]["trained"]["state"]
         assert trained["layers.0.attention.wq.weight"]["exp_avg"][0] == "DTensor"
         assert trained["layers.0.attention.wq.weight"]["step"][0] == "Tensor"
@@ -429,7 +438,9 @@ def test_fsdp_tp_bitwise_equal_to_torch(runs: dict) -> None:
         _assert_equal(rec["locals"]["ours_local"], rec["locals"]["torch"], f"rank {rank}")
         _assert_equal(rec["locals"]["ours"], rec["locals"]["torch"], f"rank {rank}")
     placements = {str(p) for p in records[0]["placements"]}
-    assert any("_StridedShard" in p for p in placements) and any("Replicate" in p for p in placements)
+    assert any("_StridedShard" in p for p in placements) and any(
+        "Replicate" in p for p in placements
+    )
 
 
 @pytest.mark.parametrize("world_size", [4, 1])

@@ -110,10 +110,12 @@ def mesh() -> Iterator[DeviceMesh]:
 # Parity #
 
 
-def _train_plain(sharded: nn.Module, case: str) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+def _train_plain(sharded: nn.Module, case: str) -> list[nn.Parameter]:
     """torch.optim on plain copies of ``sharded``'s local shards, with the same grads:
     the unsharded reference of an element-wise step."""
-    named = [(n, nn.Parameter(p.to_local().detach().clone())) for n, p in sharded.named_parameters()]
+    named = [
+        (n, nn.Parameter(p.to_local().detach().clone())) for n, p in sharded.named_parameters()
+    ]
     params = [p for _, p in named]
     optimizer, scheduler = CASES[case].build(named)
     for step in range(STEPS):
@@ -124,13 +126,13 @@ def _train_plain(sharded: nn.Module, case: str) -> tuple[list[nn.Parameter], tor
         if scheduler is not None:
             scheduler.step()
         optimizer.zero_grad()
-    return params, optimizer
+    return params
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bitwise_equal_to_dtensor_step_and_torch(mesh: DeviceMesh, case: str) -> None:
     on_locals = _sharded(mesh)
-    plain_params, plain_optimizer = _train_plain(on_locals, case)
+    plain_params = _train_plain(on_locals, case)
     local_optimizer = _train(on_locals, case, local=True)
     for (name, p), expected in zip(on_locals.named_parameters(), plain_params, strict=True):
         assert torch.equal(p.to_local(), expected), name
@@ -360,14 +362,10 @@ def _dtensor_param(mesh: DeviceMesh, placements: list, shape: tuple[int, ...]) -
     return nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False))
 
 
-def _assert_step_refused(
-    optimizer: torch.optim.Optimizer, error: type, match: str
-) -> None:
+def _assert_step_refused(optimizer: torch.optim.Optimizer, error: type, match: str) -> None:
     groups = [_ids(g["params"]) for g in optimizer.param_groups]
     state = optimizer.state
-    locals_before = [
-        p.to_local().clone() for g in optimizer.param_groups for p in g["params"]
-    ]
+    locals_before = [p.to_local().clone() for g in optimizer.param_groups for p in g["params"]]
     with pytest.raises(error, match=match):
         optimizer.step()
     assert [_ids(g["params"]) for g in optimizer.param_groups] == groups
