@@ -68,6 +68,7 @@ from dtensor_fsdp.models.llama import (
     cross_entropy_loss,
     swiglu_hidden_dim,
 )
+from dtensor_fsdp.optim import clip_grad_norm_, step_on_local_shards
 
 # Chance that a token is replaced by a uniform random one; it sets the loss floor
 # and keeps the task from being solved exactly in a handful of steps.
@@ -345,7 +346,8 @@ def train_step(
         loss = cross_entropy_loss(model(inputs), targets) / len(micro_batches)
         loss.backward()
         total_loss += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
+    # torch.nn.utils.clip_grad_norm_'s result, on local tensors: one all-reduce.
+    grad_norm = clip_grad_norm_(model.parameters(), args.max_norm)
     optimizer.step()
     optimizer.zero_grad()
     # The norm of DTensor grads is a DTensor; full_tensor() makes it a plain value.
@@ -435,6 +437,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     parallelism = build_mesh(device, args.replicate, args.tp)
     model = build_model(config, parallelism, device, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
+    step_on_local_shards(optimizer)  # bitwise the same step, without DTensor dispatch
     generator = torch.Generator().manual_seed(args.seed)
     global_rows = args.batch_size * parallelism.dp_size * args.grad_accum
     tokens_per_step = global_rows * seq_len

@@ -21,6 +21,7 @@ from .fully_shard import (
     share_comm_ctx,
 )
 from .init import init_unsharded
+from .optim import clip_grad_norm_, get_total_norm, step_on_local_shards
 from .state_dict import load_full_state_dict, save_full_state_dict
 from .trace import CommEvent, CommTrace, LifecycleEvent
 
@@ -39,10 +40,13 @@ __all__ = [
     "OffloadPolicy",
     "ReduceScatter",
     "UnshardHandle",
+    "clip_grad_norm_",
     "fully_shard",
+    "get_total_norm",
     "init_unsharded",
     "load_full_state_dict",
     "register_fsdp_forward_method",
     "save_full_state_dict",
     "share_comm_ctx",
+    "step_on_local_shards",
 ]

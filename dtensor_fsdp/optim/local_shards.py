@@ -1,0 +1,527 @@
+"""Step an element-wise ``torch.optim`` optimizer on the sharded params' local tensors.
+
+[Note: local-shard step]
+``torch.optim`` steps sharded params as DTensors, so every op of the update pays
+DTensor's dispatch (sharding propagation, placement checks, re-wrapping), which is pure
+host overhead: an element-wise update on ``Shard``/``Replicate`` DTensors is the same
+update on their local tensors. ``step_on_local_shards(optimizer)`` makes ``step()``
+run on the local tensors instead:
+
+1. before the step, each DTensor param in ``optimizer.param_groups`` is replaced by its
+   alias, ``local.detach()`` of its local tensor (same storage, a plain leaf), whose
+   ``.grad`` is the DTensor grad's local tensor; ``optimizer.state`` is replaced by a
+   twin keyed by the aliases, whose per-param dicts hold the local tensors of the
+   DTensor state values (plain values, e.g. the scalar ``step``, are shared);
+2. the optimizer's own ``step`` runs unchanged on plain tensors;
+3. after the step (also when it raises) everything is put back: the DTensor params in
+   the groups, the original ``optimizer.state`` object, each state value the DTensor
+   it was before (updated in place through its local tensor), and state the step
+   created with the param's local shape wrapped into a DTensor with the param's mesh,
+   placements, global shape and stride, which is what ``torch.optim`` creates with
+   ``torch.zeros_like(param)`` on a DTensor; new entries are appended in the order the
+   step made them. Scalar state stays the plain tensor ``torch.optim`` makes for
+   DTensor params too.
+
+The aliases, the twin state and the alias lists are built once and reused while
+nothing changed (the ``_Plan``): each step checks, by identity, that the groups hold
+the same params, each param the same local tensor (``module.to()`` or a re-sharding
+replaces it), ``optimizer.state`` the same dict (``load_state_dict`` replaces it) with
+the same per-param dicts and values; any difference rebuilds the plan. So a step costs
+a few attribute reads per param on top of the update itself.
+
+Outside ``step()`` nothing differs, so ``optimizer.state_dict()``,
+``torch.distributed.checkpoint.state_dict.get_state_dict`` and DCP resharding, LR
+schedulers, ``zero_grad``, ``torch.amp.GradScaler`` (its unscale runs on the DTensor
+grads before ``step``) and CPU offload see what they see without it. Each element of
+the update is computed by the same kernels on the same values, so the parameters and
+state are bitwise those of the DTensor step.
+
+Why a wrapper of ``step`` and not ``register_step_pre_hook``/``register_step_post_hook``:
+a post hook does not run when the step raises, which would leave aliases in the param
+groups; a wrapper restores in ``finally``. A closure passed to ``step`` runs with
+everything restored (it calls the model, ``zero_grad`` and backward, which must see the
+DTensors), then the new grads are mapped again. Step hooks registered on the optimizer
+run inside the wrapper, so they see the aliases, as the update does.
+
+Why per-parameter local tensors and not the group's flat sharded buffer (param_group.py,
+[Note: sharded buffer]): see benchmarks/README.md for the measurement (the flat step is
+not faster enough to pay for it on the CPU here: the update is memory-bound once
+DTensor is gone). A flat step also needs the grads and every state tensor as views of
+flat buffers with the sharded buffer's layout, which ``load_state_dict`` (new state
+tensors) and gradient accumulation (grads not views of one reduce-scatter output)
+break, and param groups with other hyper-parameters (no weight decay for norms) split.
+"""
+
+import functools
+import operator
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+# torch.optim classes whose update of each element reads only that element of the
+# param, its grad and its state (plus hyper-parameters and scalar state). Exact types:
+# a subclass may override ``step``. Not here: LBFGS (dot products), SparseAdam (sparse
+# grads), Adafactor (row and column factors), Muon (orthogonalizes the whole matrix).
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    cls
+    for cls in (
+        getattr(torch.optim, name, None)
+        for name in (
+            "SGD",
+            "Adam",
+            "AdamW",
+            "Adagrad",
+            "Adadelta",
+            "Adamax",
+            "ASGD",
+            "NAdam",
+            "RAdam",
+            "RMSprop",
+            "Rprop",
+        )
+    )
+    if cls is not None
+)
+
+# Set on the installed step function (and copied by functools.wraps onto any wrapper an
+# LR scheduler puts around it): the handle, so a second registration is refused.
+_HANDLE_ATTR = "_dtensor_fsdp_local_shard_step"
+
+State = dict[torch.Tensor, dict[str, Any]]
+
+
+@dataclass
+class _LocalParam:
+    """One DTensor param as the optimizer sees it during ``step``."""
+
+    param: DTensor
+    source: torch.Tensor  # param._local_tensor when the alias was made
+    alias: torch.Tensor  # source.detach(): same storage, a plain leaf
+    dstate: dict[str, Any] | None = None  # optimizer.state[param] at the last sync
+    lstate: dict[str, Any] | None = None  # its twin, keyed by alias in the plan's state
+    # At the last sync: the state's names, and their values in dstate and in lstate.
+    names: tuple[str, ...] = ()
+    dvalues: tuple[Any, ...] = ()
+    lvalues: tuple[Any, ...] = ()
+
+    def synced(self, dstate: dict[str, Any], lstate: dict[str, Any]) -> None:
+        self.dstate, self.lstate = dstate, lstate
+        self.names = tuple(lstate)
+        self.dvalues = tuple(dstate[name] for name in self.names)
+        self.lvalues = tuple(lstate.values())
+
+
+@dataclass
+class _GroupPlan:
+    params: list[torch.Tensor]  # the group's params list, as the user left it
+    members: tuple[torch.Tensor, ...]  # its elements when planned
+    aliases: list[torch.Tensor]  # what the optimizer sees during the step
+
+
+@dataclass
+class _Plan:
+    """Everything the swap needs, reused from step to step (see [Note: local-shard step])."""
+
+    state: State  # optimizer.state (keyed by the DTensor params)
+    local_state: State  # its twin, keyed by the aliases
+    groups: list[_GroupPlan]
+    entries: list[_LocalParam]  # each DTensor param once
+    plain: list[torch.Tensor]  # each plain param once: its state dict is shared
+    synced_len: int = 0  # len(local_state) at the last sync
+
+
+class LocalShardStep:
+    """Handle returned by `step_on_local_shards`; ``remove()`` turns it off."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._removed = False
+        self._plan: _Plan | None = None
+        self._is_swapped = False
+        # The step it wraps: an instance attribute already there (an LR scheduler's
+        # wrapper), else None for the class's step.
+        self._previous: Callable[..., Any] | None = optimizer.__dict__.get("step")
+
+    def remove(self) -> None:
+        """Step on the DTensors again, as ``torch.optim`` does without this handle."""
+        self._removed = True
+        self._plan = None
+        installed = self.optimizer.__dict__.get("step")
+        func = getattr(installed, "__func__", None)
+        if func is not None and getattr(func, _HANDLE_ATTR, None) is self:
+            if self._previous is None:
+                del self.optimizer.step
+            else:
+                self.optimizer.step = self._previous
+        # Otherwise something (an LR scheduler) wrapped our step since: it stays in place
+        # and passes straight through.
+
+    @property
+    def is_removed(self) -> bool:
+        return self._removed
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """The optimizer's step, on local tensors (see [Note: local-shard step])."""
+        if self._removed:
+            return self._call_previous(args, kwargs)
+        args, kwargs = self._wrap_closure(args, kwargs)
+        self._to_local()
+        try:
+            return self._call_previous(args, kwargs)
+        finally:
+            self._to_dtensor()
+
+    def _call_previous(self, args: tuple, kwargs: dict) -> Any:
+        if self._previous is None:
+            return type(self.optimizer).step(self.optimizer, *args, **kwargs)
+        return self._previous(*args, **kwargs)
+
+    def _wrap_closure(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A closure re-evaluates the model (forward, ``zero_grad``, backward): run it with
+        the DTensors in place, then map the new grads to the aliases."""
+        in_args = bool(args)
+        closure = args[0] if in_args else kwargs.get("closure")
+        if closure is None:
+            return args, kwargs
+
+        def local_closure() -> Any:
+            self._to_dtensor()
+            try:
+                return closure()
+            finally:
+                self._to_local()
+
+        if in_args:
+            return (local_closure, *args[1:]), kwargs
+        return args, {**kwargs, "closure": local_closure}
+
+    # The swap #
+
+    def _to_local(self) -> None:
+        """Step 1 of [Note: local-shard step]. Everything is validated before anything
+        changes, so a refused param or grad leaves the optimizer as it was."""
+        plan = self._plan
+        if plan is None or not self._is_current(plan):
+            # Dropped first: a build that raises must not leave a half-updated plan.
+            self._plan = None
+            plan = self._plan = self._build_plan(plan)
+        grads = [self._local_grad(entry) for entry in plan.entries]
+        for entry, grad in zip(plan.entries, grads, strict=True):
+            entry.alias.grad = grad
+        for group, group_plan in zip(self.optimizer.param_groups, plan.groups, strict=True):
+            group["params"] = group_plan.aliases
+        self.optimizer.state = plan.local_state
+        self._is_swapped = True
+
+    def _to_dtensor(self) -> None:
+        """Step 3 of [Note: local-shard step]; nothing to do if `_to_local` refused."""
+        if not self._is_swapped:
+            return
+        self._is_swapped = False
+        plan = self._plan
+        optimizer = self.optimizer
+        optimizer.state = plan.state
+        for group, group_plan in zip(optimizer.param_groups, plan.groups, strict=False):
+            group["params"] = group_plan.params
+        local_state = plan.local_state
+        for entry in plan.entries:
+            entry.alias.grad = None
+            lstate = local_state.get(entry.alias)
+            if lstate is not None and not _unchanged(
+                lstate, entry.lstate, entry.names, entry.lvalues
+            ):
+                _sync_state(entry, lstate)
+        if len(local_state) != plan.synced_len:
+            _append_new_state(plan)
+
+    def _is_current(self, plan: _Plan) -> bool:
+        """Whether nothing the plan was built from changed (by identity)."""
+        optimizer = self.optimizer
+        state = optimizer.state
+        if state is not plan.state or len(optimizer.param_groups) != len(plan.groups):
+            return False
+        for group, group_plan in zip(optimizer.param_groups, plan.groups, strict=True):
+            params = group["params"]
+            if (
+                params is not group_plan.params
+                or len(params) != len(group_plan.members)
+                or any(a is not b for a, b in zip(params, group_plan.members, strict=True))
+                or group.get("differentiable", False)
+            ):
+                return False
+        for entry in plan.entries:
+            dstate = state.get(entry.param)
+            if entry.param._local_tensor is not entry.source or not (
+                dstate is entry.dstate
+                and (dstate is None or _unchanged(dstate, dstate, entry.names, entry.dvalues))
+            ):
+                return False
+        return all(state.get(p) is plan.local_state.get(p) for p in plan.plain)
+
+    def _build_plan(self, stale: _Plan | None) -> _Plan:
+        """Aliases and the twin state from scratch (reusing ``stale``'s aliases whose
+        local tensors stayed); raises before changing the optimizer."""
+        optimizer = self.optimizer
+        previous = {} if stale is None else {id(e.param): e for e in stale.entries}
+        entries: dict[int, _LocalParam] = {}
+        plain: dict[int, torch.Tensor] = {}
+        groups = []
+        for index, group in enumerate(optimizer.param_groups):
+            if group.get("differentiable", False):
+                raise ValueError(
+                    f"step_on_local_shards: param_groups[{index}] has differentiable=True; "
+                    "a step on local tensors cuts the autograd graph through the DTensor "
+                    "params: remove the handle (handle.remove()) for a differentiable step"
+                )
+            aliases = []
+            for position, param in enumerate(group["params"]):
+                if not isinstance(param, DTensor):
+                    plain[id(param)] = param
+                    aliases.append(param)
+                    continue
+                entry = entries.get(id(param))
+                if entry is None:
+                    _check_param(param, _param_name(group, index, position))
+                    old = previous.get(id(param))
+                    local = param._local_tensor
+                    # Keep an alias while its local tensor stays: user code may hold it.
+                    alias = (
+                        old.alias
+                        if old is not None and old.param is param and old.source is local
+                        else local.detach()
+                    )
+                    entry = _LocalParam(param, local, alias)
+                    entries[id(param)] = entry
+                aliases.append(entry.alias)
+            groups.append(_GroupPlan(group["params"], tuple(group["params"]), aliases))
+        local_state: State = defaultdict(dict)
+        for key, dstate in optimizer.state.items():
+            entry = entries.get(id(key))
+            if entry is not None and entry.param is key:
+                lstate = {name: _local_value(key, name, value) for name, value in dstate.items()}
+                entry.synced(dstate, lstate)
+                local_state[entry.alias] = lstate
+            elif plain.get(id(key)) is key:
+                local_state[key] = dstate
+        return _Plan(
+            optimizer.state,
+            local_state,
+            groups,
+            list(entries.values()),
+            list(plain.values()),
+            synced_len=len(local_state),
+        )
+
+    def _local_grad(self, entry: _LocalParam) -> torch.Tensor | None:
+        grad = entry.param.grad
+        if grad is None:
+            return None
+        if not isinstance(grad, DTensor) or not _same_spec(grad, entry.param):
+            param = entry.param
+            where = (
+                f"{grad.placements} on {grad.device_mesh}" if isinstance(grad, DTensor) else "plain"
+            )
+            raise ValueError(
+                f"step_on_local_shards: the grad of {self._name(param)} is {where}, the "
+                f"param {param.placements} on {param.device_mesh}: the local step needs "
+                "the grad in the param's placements; redistribute it first"
+            )
+        return grad._local_tensor
+
+    def _name(self, param: torch.Tensor) -> str:
+        for index, group in enumerate(self.optimizer.param_groups):
+            for position, member in enumerate(group["params"]):
+                if member is param:
+                    return _param_name(group, index, position)
+        return f"a param of shape {tuple(param.shape)}"
+
+
+def step_on_local_shards(
+    optimizer: torch.optim.Optimizer, *, elementwise: bool = False
+) -> LocalShardStep:
+    """Make ``optimizer.step()`` update the DTensor params' local tensors directly.
+
+    One line after building the optimizer; the training loop is unchanged::
+
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
+        dtensor_fsdp.optim.step_on_local_shards(optimizer)
+
+    The result is bitwise that of ``optimizer.step()`` on the DTensors, without
+    DTensor's dispatch on every op (see [Note: local-shard step]). Between steps the
+    optimizer is exactly as ``torch.optim`` leaves it: DTensor params in its groups and
+    DTensor state, so ``state_dict()``, ``get_state_dict``/DCP (resharding N -> M
+    ranks), LR schedulers (built before or after this call), ``zero_grad``,
+    ``torch.amp.GradScaler`` and CPU offload work as before. Plain (non-DTensor) params
+    in the same optimizer are stepped as they are.
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer over ``fully_shard``-ed (or any
+            ``Shard``/``Replicate`` DTensor) params. Its class must be one of
+            ``ELEMENTWISE_OPTIMIZERS`` (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, ASGD,
+            NAdam, RAdam, RMSprop, Rprop), or ``elementwise=True``.
+        elementwise: declare that ``optimizer``'s update of each param element reads only
+            that element of the param, its grad and its state tensors, plus
+            hyper-parameters and scalar (0-dim) state: no norms, sums, matmuls or
+            reshapes over a param (e.g. Lion; not LBFGS, Adafactor or Muon). Its state
+            tensors must be made like the param (``torch.zeros_like(p)``,
+            ``p.new_zeros(p.shape)``, ``grad.clone()``), as torch's are.
+
+    Returns:
+        A `LocalShardStep` handle; ``handle.remove()`` steps on the DTensors again.
+
+    Raises:
+        TypeError: ``optimizer`` is not a known element-wise optimizer and
+            ``elementwise`` is not set.
+        ValueError: it already steps on local shards.
+
+    At each ``step()`` (before anything changes), ``ValueError`` naming the param if a
+    DTensor param has a ``Partial`` placement or is 0-dim, its grad or a state tensor
+    has another mesh or other placements, or a group has ``differentiable=True``.
+    """
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS and not elementwise:
+        known = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+        raise TypeError(
+            f"step_on_local_shards: {type(optimizer).__qualname__} is not known to be "
+            f"element-wise (known: {known}). If its update of each param element reads "
+            "only that element of the param, grad and state, pass elementwise=True"
+        )
+    existing = getattr(getattr(optimizer, "step", None), _HANDLE_ATTR, None)
+    if existing is not None and not existing.is_removed:
+        raise ValueError(
+            f"step_on_local_shards: this {type(optimizer).__qualname__} already steps on "
+            "local shards; call it once per optimizer"
+        )
+    handle = LocalShardStep(optimizer)
+    wrapped = handle._previous or type(optimizer).step
+
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return handle.step(*args, **kwargs)
+
+    # The wrapped step's name, docstring, signature (GradScaler inspects it) and
+    # attributes (an LR scheduler's ``_wrapped_by_lr_sched`` marker, when it wrapped the
+    # step before us, so it does not warn that the step was overridden).
+    functools.update_wrapper(step, wrapped)
+    setattr(step, _HANDLE_ATTR, handle)
+    # A bound method, as the class's step is: an LR scheduler built afterwards wraps it
+    # through ``step.__func__``.
+    optimizer.step = step.__get__(optimizer, type(optimizer))
+    return handle
+
+
+# Validation and state mapping #
+
+
+def _param_name(group: dict[str, Any], index: int, position: int) -> str:
+    names = group.get("param_names")
+    if names is not None and position < len(names):
+        return f"{names[position]!r} (param_groups[{index}])"
+    return f"param_groups[{index}]['params'][{position}]"
+
+
+def _check_param(param: DTensor, name: str) -> None:
+    """A DTensor param whose update its local tensor alone can carry."""
+    what = f"{name}, a DTensor of shape {tuple(param.shape)} with placements {param.placements}"
+    if any(placement.is_partial() for placement in param.placements):
+        raise ValueError(
+            f"step_on_local_shards: {what}: a Partial placement holds a summand of each "
+            "element, not the element; redistribute it to Shard/Replicate before the step"
+        )
+    if param.dim() == 0:
+        raise ValueError(
+            f"step_on_local_shards: {what}: a 0-dim param's element-wise state cannot be "
+            "told apart from scalar state such as 'step'; keep it in another optimizer"
+        )
+
+
+def _same_spec(tensor: DTensor, param: DTensor) -> bool:
+    spec, param_spec = tensor._spec, param._spec
+    return (
+        spec.mesh is param_spec.mesh or spec.mesh == param_spec.mesh
+    ) and spec.placements == param_spec.placements
+
+
+def _local_value(param: DTensor, name: str, value: Any) -> Any:
+    if not isinstance(value, DTensor):
+        return value
+    if not _same_spec(value, param):
+        raise ValueError(
+            f"step_on_local_shards: optimizer state {name!r} of a param with placements "
+            f"{param.placements} is a DTensor with placements {value.placements} on "
+            f"{value.device_mesh}; load the state in the param's placements"
+        )
+    return value._local_tensor
+
+
+def _unchanged(
+    current: dict[str, Any],
+    planned: dict[str, Any] | None,
+    names: tuple[str, ...],
+    values: tuple[Any, ...],
+) -> bool:
+    """Whether ``current`` is the ``planned`` dict, holding ``values`` under ``names``,
+    by identity (a changed order counts as a change: the plan is rebuilt)."""
+    return (
+        current is planned
+        and len(current) == len(names)
+        and tuple(current) == names
+        and all(map(operator.is_, current.values(), values))
+    )
+
+
+def _sync_state(entry: _LocalParam, lstate: dict[str, Any]) -> None:
+    """Bring the DTensor state dict up to its twin after a step that changed it; the
+    same dict object as before the step if there was one (code may hold it)."""
+    param = entry.param
+    dstate = entry.dstate if entry.dstate is not None else {}
+    previous = dict(zip(entry.names, zip(entry.dvalues, entry.lvalues, strict=True), strict=True))
+    values = {}
+    for name, value in lstate.items():
+        pair = previous.get(name)
+        if pair is not None and pair[1] is value:
+            values[name] = pair[0]  # unchanged, or a DTensor updated in place
+        elif _is_new_param_like(value, pair, entry.alias):
+            # New state made like the param: torch.optim gets a DTensor for it.
+            values[name] = DTensor.from_local(
+                value,
+                param.device_mesh,
+                param.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
+        else:
+            values[name] = value
+    dstate.clear()
+    dstate.update(values)
+    entry.synced(dstate, lstate)
+
+
+def _is_new_param_like(value: Any, pair: tuple[Any, Any] | None, alias: torch.Tensor) -> bool:
+    """A plain tensor the step stored in place of a DTensor value (or under a new name)
+    with the param's local shape; 0-dim values are scalar state."""
+    return (
+        isinstance(value, torch.Tensor)
+        and not isinstance(value, DTensor)
+        and (pair is None or isinstance(pair[0], DTensor))
+        and value.dim() > 0
+        and value.shape == alias.shape
+    )
+
+
+def _append_new_state(plan: _Plan) -> None:
+    """State entries the step created, appended to ``optimizer.state`` in creation
+    order, as the DTensor step appends them."""
+    by_alias = {id(entry.alias): entry for entry in plan.entries}
+    for key, lstate in list(plan.local_state.items())[plan.synced_len :]:
+        entry = by_alias.get(id(key))
+        if entry is None:
+            plan.state[key] = lstate  # a plain param: the dict is shared
+            continue
+        if entry.lstate is not lstate:
+            _sync_state(entry, lstate)
+        plan.state[entry.param] = entry.dstate
+    plan.synced_len = len(plan.local_state)
