@@ -20,6 +20,7 @@ from .fully_shard import (
     share_comm_ctx,
 )
 from .init import init_unsharded
+from .optim import Muon, split_muon_params
 from .state_dict import load_full_state_dict, save_full_state_dict
 from .trace import CommEvent, CommTrace, LifecycleEvent
 
@@ -33,6 +34,7 @@ __all__ = [
     "FSDPModule",
     "LifecycleEvent",
     "MixedPrecisionPolicy",
+    "Muon",
     "OffloadPolicy",
     "ReduceScatter",
     "UnshardHandle",
@@ -42,4 +44,5 @@ __all__ = [
     "register_fsdp_forward_method",
     "save_full_state_dict",
     "share_comm_ctx",
+    "split_muon_params",
 ]
