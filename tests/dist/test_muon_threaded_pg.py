@@ -10,7 +10,7 @@ generator.
 import copy
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -66,5 +66,6 @@ class TestMuonThreadedProcessGroup(FSDPTestMultiThread):
             for name, (model, _) in sharded.items():
                 for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
                     self.assertTrue(
-                        torch.equal(param.full_tensor(), ref), f"{name} rank {self.rank} step {step}"
+                        torch.equal(param.full_tensor(), ref),
+                        f"{name} rank {self.rank} step {step}",
                     )
