@@ -61,6 +61,7 @@ import re
 import shutil
 import warnings
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,10 @@ _TMP_SUFFIX = ".tmp"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _MARKER_VERSION = 2  # 2: sizes and CRC32s; none (1): sizes only
 _CHUNK_BYTES = 8 << 20  # checksums read files in chunks of this size
+
+# One optimizer, or several over disjoint parameters (torch's get_state_dict/set_state_dict
+# take either).
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
 
 
 class CheckpointError(RuntimeError):
@@ -121,7 +126,7 @@ def save_checkpoint(
     directory: str,
     step: int,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Optimizers | None,
     extra: dict[str, Any],
     *,
     rank_extra: dict[str, Any] | None = None,
@@ -140,7 +145,9 @@ def save_checkpoint(
         directory: parent directory, created if missing; shared by all ranks.
         step: the training step (or any increasing int) this checkpoint follows.
         model: the (``fully_shard``-ed) model.
-        optimizer: its optimizer, or ``None`` to save the model only.
+        optimizer: its optimizer, or a list of them (e.g. Muon and AdamW, each over its
+            own parameters: one optimizer state dict keyed by FQN holds both), or
+            ``None`` to save the model only.
         extra: global trainer state (step, data position, RNG states, ...), picklable by
             ``torch.save`` and loadable with ``weights_only=True`` (tensors, numbers,
             strings, lists, dicts). Rank 0's copy is saved.
@@ -183,7 +190,7 @@ def save_checkpoint(
     return final
 
 
-def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _state_dict(model: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -398,9 +405,7 @@ def _verify_checksums_everywhere(path: str, marker: dict[str, Any]) -> None:
         raise CheckpointError(first)
 
 
-def load_checkpoint(
-    path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> LoadedCheckpoint:
+def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizers | None) -> LoadedCheckpoint:
     """Load a checkpoint written by ``save_checkpoint`` into ``model`` and ``optimizer``.
 
     Every rank must call it. The model may be sharded differently from the one saved
@@ -410,7 +415,8 @@ def load_checkpoint(
     Args:
         path: a checkpoint directory, e.g. from ``latest_checkpoint``.
         model: the model to load into, already ``fully_shard``-ed.
-        optimizer: its optimizer, or ``None`` to load the model only.
+        optimizer: its optimizer, or the list of them that was saved, or ``None`` to
+            load the model only.
 
     Returns:
         The step, saved world size, ``extra`` and this rank's ``rank_extra``.

@@ -43,20 +43,26 @@ References:
    K steps with ``dtensor_fsdp.checkpoint``, resume on 2 ranks and on 4; the loaded
    state must equal the saved one exactly and the run must continue bitwise like the
    uninterrupted reference. The optimizer state dict has torch.optim.Muon's layout.
+
+4. ``train.py --optimizer muon`` (2 ranks): trains, checkpoints both optimizers, and a
+   run resumed from step 2 ends bitwise where an uninterrupted one does.
 """
 
+import json
 import os
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
+import train
 from dtensor_fsdp import fully_shard
 from dtensor_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from dtensor_fsdp.optim import Muon, split_muon_params
@@ -306,6 +312,47 @@ def _scenario_load(directory: str) -> dict:
     return {"loaded": state, "final": {k: (ours[k], theirs[k]) for k in theirs}}
 
 
+TRAIN_FLAGS = [
+    "--device",
+    "cpu",
+    "--dim",
+    "32",
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "4",
+    "--n-kv-heads",
+    "2",
+    "--vocab-size",
+    "64",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "2",
+    "--optimizer",
+    "muon",
+]
+
+
+def _scenario_train_py(directory: str) -> dict:
+    """Item 4: 4 steps straight; 2 steps and a checkpoint, then a resume to 4."""
+    cpu = torch.device("cpu")
+    runs = {}
+    for name, flags in {
+        "straight": ["--steps", "4"],
+        "first_half": ["--steps", "2", "--checkpoint-every", "2"],
+        "resumed": ["--steps", "4", "--resume"],
+    }.items():
+        metrics = os.path.join(directory, f"{name}.json")
+        ckpt = ["--checkpoint-dir", os.path.join(directory, "train_py")]
+        train.train(train.parse_args([*TRAIN_FLAGS, *flags, *ckpt, "--metrics-out", metrics]), cpu)
+        dist.barrier()
+        with open(metrics) as f:
+            runs[name] = json.load(f)
+    reader = dcp.FileSystemReader(os.path.join(directory, "train_py", f"step_{2:08d}"))
+    return {"runs": runs, "saved_keys": sorted(reader.read_metadata().state_dict_metadata)}
+
+
 def _worker(rank: int, world_size: int, directory: str) -> dict:
     scenarios = {}
     if world_size == 2:
@@ -315,6 +362,7 @@ def _worker(rank: int, world_size: int, directory: str) -> dict:
             "against_torch": _scenario_against_torch,
             "state_dict_layout": _scenario_state_dict_layout,
             "save": lambda: _scenario_save(directory),
+            "train_py": lambda: _scenario_train_py(directory),
         }
     elif world_size == 4:
         scenarios = {
@@ -422,3 +470,19 @@ def test_checkpoint_resumes_on_another_world_size(runs, world_size: int) -> None
         assert sorted(rec["loaded"]) == sorted(saved), where
         assert_pairs_equal({k: (v, rec["loaded"][k]) for k, v in saved.items()}, where)
         assert_pairs_equal(rec["final"], f"{where}, {M} steps after the resume")
+
+
+def test_train_py_optimizer_muon_resumes_exactly(runs) -> None:
+    rec = scenario_records(runs[2], "train_py")[0]  # rank 0 wrote the metrics
+    straight, resumed = rec["runs"]["straight"], rec["runs"]["resumed"]
+    assert straight["losses"][-1] < straight["losses"][0], straight["losses"]
+    assert resumed["losses"] == straight["losses"][2:]
+    assert resumed["params"] == straight["params"]  # floats from JSON: exact
+    keys = rec["saved_keys"]
+    for must in (
+        "optim.state.layers.0.attention.wq.weight.momentum_buffer",  # Muon
+        "optim.state.tok_embeddings.weight.exp_avg",  # AdamW
+        "optim.state.output.weight.exp_avg_sq",
+    ):
+        assert must in keys, (must, keys)
+    assert not any(k.endswith("norm.weight.momentum_buffer") for k in keys)
