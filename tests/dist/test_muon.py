@@ -416,7 +416,9 @@ def test_collectives_and_parity_against_torch_fully_shard(runs) -> None:
             assert ours[0][1] == sent, (where, ours)
             assert step_rec["comms"]["ours_on_torch_fsdp"] == ours, where
             torch_kinds = [kind for kind, _ in step_rec["comms"]["torch"]]
-            assert len(torch_kinds) > 8 * 4, (where, torch_kinds)  # per matrix, per iteration
+            # At least one per matrix and Newton-Schulz iteration (5 + 3 * 4 here);
+            # observed on torch 2.13: 46 all-gathers and all-reduces.
+            assert len(torch_kinds) >= 17, (where, torch_kinds)
             params = step_rec["params"]
             assert_pairs_equal(
                 {n: (p, params["ours_on_torch_fsdp"][n]) for n, p in params["ours"].items()},
