@@ -266,3 +266,17 @@ def test_split_muon_params_exclude_and_frozen() -> None:
     assert muon == [] and other == [model[0].bias, model[1].weight, model[1].bias]
     muon, other = split_muon_params(model, exclude=())
     assert muon == [model[1].weight]
+
+
+def test_bf16_momentum_buffer_is_not_normalized_in_place() -> None:
+    """A deliberate difference: with bf16 params and ``nesterov=False`` torch 2.13's
+    Muon hands the momentum buffer itself to Newton-Schulz, whose ``.bfloat16()`` is then
+    a no-op and whose ``div_`` normalizes the buffer in place (its norm becomes 1). Ours
+    copies first, so the buffer stays ``(1 - momentum) * grad`` after the first step."""
+    gen = torch.Generator().manual_seed(3)
+    param = nn.Parameter(torch.randn(4, 3, generator=gen).bfloat16())
+    param.grad = (torch.randn(4, 3, generator=gen) * 10).bfloat16()
+    optimizer = Muon([param], nesterov=False, momentum=0.5)
+    optimizer.step()
+    expected = torch.zeros_like(param.grad).lerp_(param.grad, 0.5)
+    assert torch.equal(optimizer.state[param]["momentum_buffer"], expected)
