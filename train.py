@@ -10,6 +10,7 @@ Launch with torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE:
         --activation-checkpointing --meta-init --cpu-offload
     torchrun --nproc-per-node 2 train.py --checkpoint-dir ckpt --checkpoint-every 10
     torchrun --nproc-per-node 4 train.py --checkpoint-dir ckpt --resume --batch-size 4
+    torchrun --nproc-per-node 2 train.py --optimizer muon  # Muon on the blocks' matrices
 
 Parallelism: the world is a mesh of ``replicate x shard x tp`` ranks, where
 ``shard = world / (replicate * tp)``; axes of size 1 are left out of the mesh:
@@ -68,7 +69,7 @@ from dtensor_fsdp.models.llama import (
     cross_entropy_loss,
     swiglu_hidden_dim,
 )
-from dtensor_fsdp.optim import clip_grad_norm_, step_on_local_shards
+from dtensor_fsdp.optim import Muon, clip_grad_norm_, split_muon_params, step_on_local_shards
 
 # Chance that a token is replaced by a uniform random one; it sets the loss floor
 # and keeps the task from being solved exactly in a handful of steps.
@@ -92,6 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--batch-size", type=int, default=8, help="sequences per data-parallel rank per step"
     )
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="muon: dtensor_fsdp.optim.Muon on the blocks' 2-D weights (learning rate "
+        "matched to AdamW's RMS), AdamW on the rest (embeddings, norms, output head)",
+    )
     parser.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping threshold")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -199,6 +207,11 @@ def validate_parallelism(args: argparse.Namespace, config: LlamaConfig, world_si
             f"{world_size} (the shard size is world / (replicate * tp))"
         )
     if args.tp > 1:
+        if args.optimizer == "muon":
+            raise ValueError(
+                "--optimizer muon does not support --tp (dtensor_fsdp.optim.Muon needs "
+                "params sharded over one mesh axis): use --optimizer adamw or drop --tp"
+            )
         if config.tie_embeddings:
             raise ValueError("--tp needs untied embeddings: drop --tie-embeddings")
         if config.n_heads % args.tp or config.n_kv_heads % args.tp:
@@ -332,8 +345,30 @@ def local_rows(global_batch: torch.Tensor, dp_rank: int, dp_size: int) -> torch.
     return global_batch.chunk(dp_size)[dp_rank]
 
 
+def build_optimizers(model: Llama, args: argparse.Namespace) -> list[torch.optim.Optimizer]:
+    """AdamW on every parameter; or, with ``--optimizer muon``, Muon's recipe:
+    ``dtensor_fsdp.optim.Muon`` on the blocks' 2-D weights and AdamW on the rest.
+
+    Muon uses ``adjust_lr_fn="match_rms_adamw"`` (Moonshot's scaling), so ``--lr`` and
+    AdamW's weight decay (torch's default, 0.01) carry over unchanged.
+    """
+    if args.optimizer == "adamw":
+        adamw = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
+        optimizers = [adamw]
+    else:
+        muon_params, adamw_params = split_muon_params(model)
+        adamw = torch.optim.AdamW(adamw_params, lr=args.lr, foreach=True)
+        muon = Muon(muon_params, lr=args.lr, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
+        optimizers = [muon, adamw]
+    step_on_local_shards(adamw)  # bitwise the same step, without DTensor dispatch
+    return optimizers
+
+
 def train_step(
-    model: Llama, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, args: argparse.Namespace
+    model: Llama,
+    optimizers: list[torch.optim.Optimizer],
+    tokens: torch.Tensor,
+    args: argparse.Namespace,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on this rank's tokens, as ``--grad-accum`` micro-batches whose
     gradients are synchronized only on the last; returns (local loss, grad norm)."""
@@ -348,8 +383,9 @@ def train_step(
         total_loss += loss.detach()
     # torch.nn.utils.clip_grad_norm_'s result, on local tensors: one all-reduce.
     grad_norm = clip_grad_norm_(model.parameters(), args.max_norm)
-    optimizer.step()
-    optimizer.zero_grad()
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
     # The norm of DTensor grads is a DTensor; full_tensor() makes it a plain value.
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
@@ -359,13 +395,13 @@ def train_step(
 def resume(
     args: argparse.Namespace,
     model: Llama,
-    optimizer: torch.optim.Optimizer,
+    optimizers: list[torch.optim.Optimizer],
     generator: torch.Generator,
     global_rows: int,
 ) -> int:
     """Load the newest complete checkpoint, if any; returns the steps already done.
 
-    Model and optimizer are resharded by DCP to this run's layout. The data stream and
+    Model and optimizers are resharded by DCP to this run's layout. The data stream and
     RNG are global (every rank draws the same global batch), so they carry over to any
     world size; the run continues exactly if the global batch is the same.
     """
@@ -374,7 +410,7 @@ def resume(
         if dist.get_rank() == 0:
             print(f"resume: no complete checkpoint in {args.checkpoint_dir}, starting fresh")
         return 0
-    loaded = load_checkpoint(path, model, optimizer)
+    loaded = load_checkpoint(path, model, optimizers)
     if loaded.extra["global_rows"] != global_rows:
         raise ValueError(
             f"resume: {path} was trained with a global batch of {loaded.extra['global_rows']} "
@@ -436,8 +472,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     parallelism = build_mesh(device, args.replicate, args.tp)
     model = build_model(config, parallelism, device, args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
-    step_on_local_shards(optimizer)  # bitwise the same step, without DTensor dispatch
+    optimizers = build_optimizers(model, args)
     generator = torch.Generator().manual_seed(args.seed)
     global_rows = args.batch_size * parallelism.dp_size * args.grad_accum
     tokens_per_step = global_rows * seq_len
@@ -449,7 +484,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             flush=True,
         )
 
-    done = resume(args, model, optimizer, generator, global_rows) if args.resume else 0
+    done = resume(args, model, optimizers, generator, global_rows) if args.resume else 0
     trace = CommTrace() if args.trace_comms else None
     if trace is not None:
         model.set_comm_trace(trace)
@@ -458,7 +493,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         start = time.perf_counter()
         global_batch = synthetic_batch(generator, global_rows, seq_len, config.vocab_size)
         tokens = local_rows(global_batch, parallelism.dp_rank, parallelism.dp_size).to(device)
-        local_loss, grad_norm = train_step(model, optimizer, tokens, args)
+        local_loss, grad_norm = train_step(model, optimizers, tokens, args)
         losses.append(mean_over_ranks(local_loss))  # .item() also waits for the device
         grad_norms.append(grad_norm.item())
         throughputs.append(tokens_per_step / (time.perf_counter() - start))
@@ -474,7 +509,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                 "torch_rng": torch.get_rng_state(),
                 "global_rows": global_rows,
             }
-            save_checkpoint(args.checkpoint_dir, step, model, optimizer, extra)
+            save_checkpoint(args.checkpoint_dir, step, model, optimizers, extra)
     if args.metrics_out:
         write_metrics(args.metrics_out, model, losses, grad_norms)
     if trace is not None and rank == 0:

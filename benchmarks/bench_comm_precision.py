@@ -271,10 +271,10 @@ def train_all(runs: list[Run], config: LlamaConfig, args: argparse.Namespace, dp
             start = time.perf_counter()
             if step == args.record_step:
                 with C10dRecorder() as recorder:
-                    loss, _ = train.train_step(run.model, run.optimizer, tokens, run.train_args)
+                    loss, _ = train.train_step(run.model, [run.optimizer], tokens, run.train_args)
                 run.records = recorder.records
             else:
-                loss, _ = train.train_step(run.model, run.optimizer, tokens, run.train_args)
+                loss, _ = train.train_step(run.model, [run.optimizer], tokens, run.train_args)
             elapsed = time.perf_counter() - start
             run.local_losses.append(loss)
             if step > 1 and step != args.record_step:

@@ -21,7 +21,7 @@ from .fully_shard import (
     share_comm_ctx,
 )
 from .init import init_unsharded
-from .optim import clip_grad_norm_, get_total_norm, step_on_local_shards
+from .optim import Muon, clip_grad_norm_, get_total_norm, split_muon_params, step_on_local_shards
 from .state_dict import load_full_state_dict, save_full_state_dict
 from .trace import CommEvent, CommTrace, LifecycleEvent
 
@@ -36,6 +36,7 @@ __all__ = [
     "FSDPModule",
     "LifecycleEvent",
     "MixedPrecisionPolicy",
+    "Muon",
     "NonFiniteGradError",
     "OffloadPolicy",
     "ReduceScatter",
@@ -48,5 +49,6 @@ __all__ = [
     "register_fsdp_forward_method",
     "save_full_state_dict",
     "share_comm_ctx",
+    "split_muon_params",
     "step_on_local_shards",
 ]

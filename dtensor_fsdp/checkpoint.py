@@ -95,7 +95,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -142,6 +142,10 @@ __all__ = [
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _T = TypeVar("_T")
 
+# One optimizer, or several over disjoint parameters (torch's get_state_dict/set_state_dict
+# take either).
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+
 
 @dataclass(frozen=True)
 class LoadedCheckpoint:
@@ -172,7 +176,7 @@ def save_checkpoint(
     directory: str,
     step: int,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Optimizers | None,
     extra: dict[str, Any],
     *,
     rank_extra: dict[str, Any] | None = None,
@@ -192,7 +196,9 @@ def save_checkpoint(
         directory: parent directory, created if missing; shared by all ranks.
         step: the training step (or any increasing int) this checkpoint follows.
         model: the (``fully_shard``-ed) model.
-        optimizer: its optimizer, or ``None`` to save the model only.
+        optimizer: its optimizer, or a list of them (e.g. Muon and AdamW, each over its
+            own parameters: one optimizer state dict keyed by FQN holds both), or
+            ``None`` to save the model only.
         extra: global trainer state (step, data position, RNG states, ...), picklable by
             ``torch.save`` and loadable with ``weights_only=True`` (tensors, numbers,
             strings, lists, dicts). Rank 0's copy is saved.
@@ -253,7 +259,7 @@ def save_checkpoint(
     return final
 
 
-def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _state_dict(model: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -388,9 +394,7 @@ def _complete_checkpoints(directory: str, *, warn: bool = False) -> list[tuple[i
     return sorted(found)
 
 
-def load_checkpoint(
-    path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> LoadedCheckpoint:
+def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizers | None) -> LoadedCheckpoint:
     """Load a checkpoint written by ``save_checkpoint`` into ``model`` and ``optimizer``.
 
     Every rank must call it. The model may be sharded differently from the one saved
@@ -404,7 +408,8 @@ def load_checkpoint(
     Args:
         path: a checkpoint directory, e.g. from ``latest_checkpoint``.
         model: the model to load into, already ``fully_shard``-ed.
-        optimizer: its optimizer, or ``None`` to load the model only.
+        optimizer: its optimizer, or the list of them that was saved, or ``None`` to
+            load the model only.
 
     Returns:
         The step, saved world size, ``extra`` and this rank's ``rank_extra``.
@@ -424,7 +429,8 @@ def load_checkpoint(
         lambda: verify_checksums(path, marker, slice(rank, None, world_size)),
     )
     saved = _agree(f"load_checkpoint: reading {EXTRA_FILE}", lambda: load_extra(path))
-    had_state = optimizer is not None and bool(optimizer.state)
+    optimizers = _as_list(optimizer)
+    fresh = [o for o in optimizers if not o.state]
     try:
         staged = _agree("load_checkpoint: staging", lambda: _staging_state_dict(model, optimizer))
         reader = SafeReader(path, set(marker["files"]))
@@ -433,8 +439,9 @@ def load_checkpoint(
             lambda: dcp.load(staged, storage_reader=reader, planner=SafeLoadPlanner()),
         )
     except CheckpointError:
-        if optimizer is not None and not had_state:
-            optimizer.state.clear()  # get_state_dict created it; see [Note: atomic checkpoint load]
+        for fresh_optimizer in fresh:
+            # get_state_dict created it; see [Note: atomic checkpoint load]
+            fresh_optimizer.state.clear()
         raise
     _agree(
         "load_checkpoint: loading into the model and optimizer",
@@ -448,9 +455,13 @@ def load_checkpoint(
     )
 
 
-def _staging_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> dict[str, Any]:
+def _as_list(optimizer: Optimizers | None) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+
+
+def _staging_state_dict(model: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
     """A state dict of the model and optimizer for ``dcp.load`` to read into, sharing no
     tensor with them; see [Note: atomic checkpoint load]."""
     return _staging_copy(_state_dict(model, optimizer))
@@ -468,9 +479,7 @@ def _staging_copy(tree: Any) -> Any:
     return tree  # numbers, strings, tuples: immutable, and DCP replaces them whole
 
 
-def _load_staged(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, staged: dict[str, Any]
-) -> None:
+def _load_staged(model: nn.Module, optimizer: Optimizers | None, staged: dict[str, Any]) -> None:
     if optimizer is None:
         set_model_state_dict(model, staged["model"])
     else:

@@ -103,7 +103,7 @@ def _reference() -> dict:
     for _ in range(args.steps):
         rows = args.batch_size * NODES * PROCS_PER_NODE  # every rank is a data-parallel rank
         tokens = train.synthetic_batch(generator, rows, config.max_seq_len, config.vocab_size)
-        loss, norm = train.train_step(model, optimizer, tokens, args)
+        loss, norm = train.train_step(model, [optimizer], tokens, args)
         losses.append(loss.item())
         norms.append(norm.item())
     params = {name: p.detach().flatten().tolist() for name, p in model.named_parameters()}
