@@ -1,26 +1,21 @@
 """Faults under ``torchrun``: a rank that raises, a rank killed after a checkpoint, and a
 checkpoint whose save was interrupted.
 
-Each case launches ``tests/dist/_resumable_job.py`` on 2 local ranks (loopback c10d
-rendezvous on a free port, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` as TORCH_NOTES.md
-advises for restarts), in its own process group, killed with all its workers past the
-deadline. Verdicts rest on rank 0's results file and the launcher's output, not on
+Each case launches ``tests/dist/_resumable_job.py`` on 2 local ranks with
+``tests/_torchrun.py`` (loopback rendezvous on a free port, killed with all its workers
+past the deadline). Verdicts rest on rank 0's results file and the launcher's output, not on
 worker exit codes alone (gloo may abort at exit after the work is done).
 """
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests._torchrun import torchrun
+
 JOB = Path(__file__).with_name("_resumable_job.py")
 NPROC = 2
 DEADLINE_S = 60.0
@@ -37,42 +32,15 @@ class Launch:
     results: dict | None  # rank 0's --out file, if it got that far
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _torchrun(tmp: Path, name: str, *job_args: str, max_restarts: int = 0) -> Launch:
-    out, log = tmp / f"{name}.json", tmp / f"{name}.log"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-        "--nproc-per-node", str(NPROC), "--max-restarts", str(max_restarts),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-        "--monitor-interval", "0.5",
-        str(JOB), "--dir", str(tmp / name), "--out", str(out),
+    out = tmp / f"{name}.json"
+    launch = torchrun(
+        JOB, "--dir", str(tmp / name), "--out", str(out),
         "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), *job_args,
-    ]  # fmt: skip
-    env = {
-        **os.environ,
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO),
-    }
-    start = time.monotonic()
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: killpg reaches its workers
-        )  # fmt: skip
-        try:
-            returncode = proc.wait(timeout=DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            returncode = None
+        log=tmp / f"{name}.log", nproc=NPROC, deadline_s=DEADLINE_S, max_restarts=max_restarts,
+    )  # fmt: skip
     results = json.loads(out.read_text()) if out.exists() else None
-    return Launch(returncode, log.read_text(), time.monotonic() - start, results)
+    return Launch(launch.returncode, launch.output, launch.elapsed_s, results)
 
 
 @pytest.fixture(scope="module")
