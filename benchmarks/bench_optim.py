@@ -41,13 +41,13 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from bench_train import init_distributed  # same directory
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -79,17 +79,6 @@ def parse_args() -> argparse.Namespace:
     if any(v not in VARIANTS for v in args.variants):
         parser.error(f"--variants must be a subset of {','.join(VARIANTS)}")
     return args
-
-
-def init_distributed(device_arg: str) -> torch.device:
-    use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-        return device
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
 
 
 def build_model(config: LlamaConfig, mesh: DeviceMesh, device: torch.device) -> Llama:
