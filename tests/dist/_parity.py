@@ -84,6 +84,17 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Full params and optimizer state (e.g. AdamW's exp_avg, exp_avg_sq, step) per FQN,
+    as ``name`` and ``name/key``."""
+    state = {}
+    for name, p in model.named_parameters():
+        state[name] = full(p)
+        for key, value in optimizer.state[p].items():
+            state[f"{name}/{key}"] = full(value)
+    return state
+
+
 def full_pairs(model: nn.Module, ref: nn.Module, *, grads: bool) -> Pairs:
     """Per FQN, ``full_tensor()`` of our param (or grad) and the reference's."""
     ref_params = dict(ref.named_parameters())

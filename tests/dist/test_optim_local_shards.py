@@ -42,7 +42,7 @@ from dtensor_fsdp.models.llama import Llama, LlamaConfig, apply_tensor_parallel,
 from dtensor_fsdp.optim import step_on_local_shards
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests.dist._optim_cases import CASES
-from tests.dist._parity import full, mean_over_world
+from tests.dist._parity import full, full_state, mean_over_world
 
 CONFIG = LlamaConfig(
     vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden_dim=88, max_seq_len=16
@@ -270,16 +270,6 @@ def _scenario_state_dicts(mesh: DeviceMesh) -> dict:
     return records
 
 
-def _full_state(run: Run) -> dict[str, torch.Tensor]:
-    """Full params and optimizer state (exp_avg, exp_avg_sq, step) per FQN."""
-    state = {}
-    for name, p in run.model.named_parameters():
-        state[name] = full(p)
-        for key, value in run.optimizer.state[p].items():
-            state[f"{name}/{key}"] = full(value)
-    return state
-
-
 def _resume(mesh: DeviceMesh, kind: str, path: str) -> Run:
     run = _run(mesh, kind, CKPT_CASE)
     loaded = load_checkpoint(path, run.model, run.optimizer)
@@ -293,10 +283,10 @@ def _scenario_save(mesh: DeviceMesh, directory: str) -> dict:
     path = save_checkpoint(
         directory, K, run.model, run.optimizer, extra={"scheduler": run.scheduler.state_dict()}
     )
-    saved = _full_state(run)
+    saved = full_state(run.model, run.optimizer)
     _train(run, range(K, K + M))
     resumed = _resume(mesh, "ours_local", path)
-    loaded = _full_state(resumed)
+    loaded = full_state(resumed.model, resumed.optimizer)
     _train(resumed, range(K, K + M))
     return {
         "path": path,
@@ -314,7 +304,7 @@ def _scenario_load(mesh: DeviceMesh, path: str) -> dict:
     records = {}
     for kind in ("ours_local", "ours"):
         run = _resume(mesh, kind, path)
-        loaded = _full_state(run)
+        loaded = full_state(run.model, run.optimizer)
         _train(run, range(K, K + M))
         records[kind] = {"loaded": loaded, "losses": run.losses, "locals": _locals(run.model)}
     return records

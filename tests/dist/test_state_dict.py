@@ -37,7 +37,7 @@ from dtensor_fsdp import fully_shard, load_full_state_dict, save_full_state_dict
 from dtensor_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from dtensor_fsdp.models.llama import Llama, LlamaConfig, apply_tensor_parallel, cross_entropy_loss
 from tests._harness import run_distributed, run_scenarios, scenario_records
-from tests.dist._parity import full, mean_over_world
+from tests.dist._parity import full, full_state, mean_over_world
 
 CONFIG = LlamaConfig(
     vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=88, max_seq_len=16
@@ -127,16 +127,6 @@ def _reference_losses(steps: int) -> list[float]:
     return losses
 
 
-def _full_state(run: Sharded) -> dict[str, torch.Tensor]:
-    """Full params and AdamW state (exp_avg, exp_avg_sq, step) per FQN."""
-    state = {}
-    for name, p in run.model.named_parameters():
-        state[name] = full(p)
-        for key, value in run.optimizer.state[p].items():
-            state[f"{name}/{key}"] = full(value)
-    return state
-
-
 # ---------------------------------------------------------------------------
 # Model state dict scenarios (2 ranks)
 # ---------------------------------------------------------------------------
@@ -185,7 +175,7 @@ def _scenario_full_options() -> dict:
     model + optimizer state dict loads back exactly with full_state_dict=True."""
     source = _shard("fsdp")
     _train(source, range(2))
-    expected = _full_state(source)
+    expected = full_state(source.model, source.optimizer)
     offloaded, offloaded_optim = get_state_dict(
         source.model,
         source.optimizer,
@@ -208,7 +198,7 @@ def _scenario_full_options() -> dict:
         },
         "offloaded_optim_keys": sorted(offloaded_optim.get("state", {})),
         "expected": expected,
-        "loaded": _full_state(target),
+        "loaded": full_state(target.model, target.optimizer),
     }
 
 
@@ -261,7 +251,7 @@ def _scenario_bad_input() -> dict:
     """Every bad state dict raises naming the keys, and changes nothing."""
     run = _shard("fsdp")
     _train(run, range(1))
-    before = _full_state(run)
+    before = full_state(run.model, run.optimizer)
     torch.manual_seed(3)
     good = Llama(CONFIG).state_dict()  # different values: a partial load would show
     results = {}
@@ -271,7 +261,7 @@ def _scenario_bad_input() -> dict:
             results[name] = None
         except RuntimeError as exc:
             results[name] = str(exc)
-    return {"errors": results, "unchanged": (before, _full_state(run))}
+    return {"errors": results, "unchanged": (before, full_state(run.model, run.optimizer))}
 
 
 # ---------------------------------------------------------------------------
@@ -296,7 +286,7 @@ def _scenario_save(layout: str, directory: str) -> dict:
     return {
         "path": path,
         "losses": losses,
-        "state": _full_state(run),
+        "state": full_state(run.model, run.optimizer),
         "rank_extra": same_world.rank_extra,
     }
 
@@ -304,7 +294,7 @@ def _scenario_save(layout: str, directory: str) -> dict:
 def _scenario_load(layout: str, directory: str) -> dict:
     run = _shard(layout)
     loaded = load_checkpoint(os.path.join(directory, f"step_{K:08d}"), run.model, run.optimizer)
-    state = _full_state(run)
+    state = full_state(run.model, run.optimizer)
     return {
         "state": state,
         "step": loaded.step,

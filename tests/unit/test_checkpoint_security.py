@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from dtensor_fsdp._checkpoint_files import checksums, data_files, write_marker
@@ -28,6 +27,7 @@ from dtensor_fsdp.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from tests.unit.test_checkpoint import _model
 
 # DCP warns that it saves and loads in a single process: that is the point here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -43,15 +43,6 @@ class _Payload:
 
     def __reduce__(self) -> tuple:
         return (os.mkdir, (self.marker,))
-
-
-def _model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(3, 4)).sum().backward()
-    optimizer.step()
-    return model, optimizer
 
 
 def _save(directory: Path) -> str:
