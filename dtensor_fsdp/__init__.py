@@ -23,7 +23,7 @@ from .fully_shard import (
 from .init import init_unsharded
 from .optim import Muon, clip_grad_norm_, get_total_norm, split_muon_params, step_on_local_shards
 from .state_dict import load_full_state_dict, save_full_state_dict
-from .trace import CommEvent, CommTrace, LifecycleEvent
+from .trace import CommEvent, CommTrace, DeviceTiming, LifecycleEvent
 
 __all__ = [
     "AllGather",
@@ -33,6 +33,7 @@ __all__ = [
     "CommPrecisionPolicy",
     "CommTrace",
     "DataParallelMeshDims",
+    "DeviceTiming",
     "FSDPModule",
     "LifecycleEvent",
     "MixedPrecisionPolicy",

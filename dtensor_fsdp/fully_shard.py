@@ -29,6 +29,7 @@ from .mesh import (
 from .param_group import FSDPParamGroup
 from .state import STATE_ATTR, FSDPState, assign_fqns, state_of
 from .state_dict import register_state_dict_hooks, validate_state_dict
+from .streams import streams_for
 from .trace import CommTrace
 from .validation import mark_replaced, plan_sharding
 
@@ -267,10 +268,13 @@ class FSDPModule:
         self._get_fsdp_state().reset_iter_state()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last before the optimizer step. Either way
-        its sharded grads have landed when backward returns; if not, FSDP skips waiting
-        for CPU-offloaded grads' device-to-host copies (on an accelerator)."""
-        self._get_fsdp_state().is_last_backward = is_last_backward
+        """Whether the next backward is the last before the optimizer step. Accepted as
+        torch's is; it changes nothing here: every sharded grad has landed when any
+        backward returns (on an accelerator that is a stream wait, which does not block
+        the host, so there is nothing to skip), and CPU-offloaded grads are on the host,
+        as torch makes them whatever this says."""
+        del is_last_backward
+        self._get_fsdp_state()  # the same error as torch's on a module without state
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -532,13 +536,12 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """Share the communication context of several FSDP roots, e.g. the model chunks
     of pipeline parallelism, as torch's ``share_comm_ctx`` does.
 
-    torch's FSDP2 shares its all-gather, reduce-scatter and all-reduce CUDA streams
-    between the roots, so memory does not fragment across per-root streams.
-    dtensor_fsdp issues every collective from the current stream and allocates no
-    streams of its own, so there is nothing to share: this only validates its argument.
-    Each root keeps its own ``CommContext``, which holds per-iteration scheduling state
-    (forward order, in-flight reduce-scatters) that must not mix between roots whose
-    forwards and backwards interleave.
+    The roots then use the same side streams on an accelerator (streams.py), so the
+    caching allocator's per-stream pools do not fragment memory across roots, as in
+    torch. Each root keeps its own ``CommContext``, which holds per-iteration
+    scheduling state (forward order, in-flight reduce-scatters) that must not mix
+    between roots whose forwards and backwards interleave. On the host there are no
+    streams, and this only validates its argument.
 
     Args:
         modules: the FSDP roots.
@@ -552,3 +555,11 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
                 f"Expects list of FSDPModules but got {module}: share_comm_ctx takes modules "
                 "that fully_shard returned"
             )
+    if not modules:
+        return
+    streams = streams_for(modules[0]._get_fsdp_state().device)
+    for module in modules:
+        state = module._get_fsdp_state()
+        state.shared_streams = streams
+        if state.ctx is not None and state.is_root:
+            state.ctx.streams = streams

@@ -34,6 +34,7 @@ These nouns mean one thing each, everywhere in dtensor_fsdp:
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -424,24 +425,31 @@ class FSDPParam:
         else:
             self.partial_reduced_grad.add_(reduced)
 
-    def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
+    def accumulate_sharded_grad(
+        self, reduced: torch.Tensor, to_host: "Callable[..., torch.Tensor] | None" = None
+    ) -> bool:
         """Land this rank's averaged gradient chunk on ``sharded_param.grad``.
 
         Args:
             reduced: 1-D, this parameter's padded segment of the reduce-scatter output.
+            to_host: CPU offload: the device-to-host copy (``CommStreams.copy_to_host``);
+                the sharded grad lives with the sharded param, on the CPU.
+
+        Returns:
+            Whether the host copy may still be running: the caller must make the host
+            wait for it before anything reads the grad there (the optimizer).
         """
         local_shape = self.geometry.local_shape
         local = reduced[: math.prod(local_shape)].view(local_shape)  # (*local_shape)
         grad = self.sharded_param.grad
         hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None) or {}
-        # Under CPU offload the sharded grad lives with the sharded param, on the CPU.
         # The copy may run asynchronously only if nothing on the host reads it before
         # the end of backward: not an add into an existing grad, not a user hook.
-        local = local.to(
-            device=self._padded_shard.device,
-            dtype=self.dtype,
-            non_blocking=grad is None and not hooks,
-        )
+        non_blocking = to_host is not None and grad is None and not hooks
+        if to_host is not None:
+            local = to_host(local, self.dtype, non_blocking)
+        else:
+            local = local.to(self.dtype)
         if grad is None:
             self.sharded_param.grad = self._sharded_dtensor(local)
         else:
@@ -450,6 +458,7 @@ class FSDPParam:
         # grad has landed, as autograd would run them for a plain parameter.
         for hook in hooks.values():
             hook(self.sharded_param)
+        return non_blocking
 
     def _as_unsharded(self, data: torch.Tensor) -> torch.Tensor:
         """``data`` (of ``shape``) as the unsharded param's tensor: itself, or for a

@@ -47,7 +47,8 @@ from .mesh import MeshInfo
 from .param import FSDPParam, ParamToShard, ShardedState
 from .reduction import GradientReduction
 from .scheduler import CommContext
-from .trace import CommEvent, CommTrace, LifecycleEvent
+from .streams import CommStreams, StreamRole
+from .trace import CommEvent, CommTrace, DeviceTiming, LifecycleEvent
 from .wire_format import WireLayout, decode
 
 
@@ -120,12 +121,22 @@ class FSDPParamGroup:
         # FSDPModule.set_* knobs (torch's names); the reduction has its own.
         self.custom_all_gather: AllGather | None = None
         self.unshard_in_backward = True
-        self.reduction = GradientReduction(self.fsdp_params, mesh_info, self._record_comm)
+        self.reduction = GradientReduction(
+            self.fsdp_params,
+            mesh_info,
+            self._record_comm,
+            self._timing_event,
+            offload=self.offload is not None,
+        )
         self.ctx: CommContext | None = None  # handed down at the root's lazy init
         self.trace: CommTrace | None = None
         self._all_gather: AllGatherResult | None = None  # issued, not yet copied out
         self._all_gather_source: AllGatherSource | None = None  # what it gathers
         self._all_gather_issued_s = 0.0
+        self._all_gather_issued_event: object | None = None  # a device timing event
+        # hpZ on an accelerator: the post-forward buffer is written on the compute
+        # stream; the backward all-gather's stream waits for this event before reading.
+        self._post_forward_event: object | None = None
         # hpZ: this rank's 1/k of the padded unsharded params, kept between forward and
         # backward; None when the group is fully sharded or unsharded.
         self._post_forward_buffer: torch.Tensor | None = None
@@ -271,19 +282,19 @@ class FSDPParamGroup:
             )
         self.ctx = ctx
 
-    def reset_sharded_params(self) -> None:
+    def reset_sharded_params(self) -> bool:
         """Re-derive the sharded buffer and every parameter's dtypes from the sharded
         params as they are now; a no-op if none was replaced. See [Note: re-deriving
-        the sharded state]."""
+        the sharded state]. Returns whether it re-derived anything."""
         if all(p.is_current() for p in self.fsdp_params):
-            return
+            return False
         locals_ = [p.registered_local() for p in self.fsdp_params]
         devices = {t.device for t in locals_}
         if len(devices) > 1 or any(t.is_meta for t in locals_):
-            return  # another module of the group has not been applied yet
+            return False  # another module of the group has not been applied yet
         device = devices.pop()
         if self.offload is not None and device.type != "cpu":
-            return  # lazy init refuses it, as torch does
+            return False  # lazy init refuses it, as torch does
         if self.device.type == "meta":
             self.device = self.mesh_info.device
         # See [Note: sharded buffer] for the order; sorted in place, since the reduction
@@ -299,6 +310,7 @@ class FSDPParamGroup:
         ):
             fsdp_param.reset_sharded_param(segment)
         self._init_all_gather_layout()
+        return True
 
     # Runtime #
 
@@ -314,22 +326,32 @@ class FSDPParamGroup:
             return
         if not self.unshard_in_backward and self._phase() == "backward":
             return  # set_unshard_in_backward(False): prefetches are skipped too
-        source = self._all_gather_source_now()
-        if self.ctx is not None and self.ctx.check is not None:
-            if self.ctx.check.applies_to("all_gather"):
-                self.ctx.check.before(
-                    source.mesh_info.shard_group,
-                    source.mesh_info.device,
-                    self.fqn,
-                    self._phase(),
-                    "all_gather",
-                    source.input.nbytes,
-                )
-        self._record("unshard")
-        self._all_gather_issued_s = time.perf_counter()
-        self._all_gather = all_gather(
-            source.input, source.mesh_info.shard_group, self.custom_all_gather
-        )
+        streams, role = self._streams(), self._all_gather_role()
+        # ``param.data = ...`` since the last all-gather: the new sharded buffer is
+        # filled on the compute stream.
+        if self._post_forward_buffer is None and self.reset_sharded_params() and role:
+            streams.wait_for_compute(role)
+        if role is not None:
+            streams.wait_for_event(role, self._post_forward_event)
+        self._post_forward_event = None
+        with streams.on(role):
+            source = self._all_gather_source_now()
+            if self.ctx is not None and self.ctx.check is not None:
+                if self.ctx.check.applies_to("all_gather"):
+                    self.ctx.check.before(
+                        source.mesh_info.shard_group,
+                        source.mesh_info.device,
+                        self.fqn,
+                        self._phase(),
+                        "all_gather",
+                        source.input.nbytes,
+                    )
+            self._record("unshard")
+            self._all_gather_issued_s = time.perf_counter()
+            self._all_gather_issued_event = self._timing_event()
+            self._all_gather = all_gather(
+                source.input, source.mesh_info.shard_group, self.custom_all_gather
+            )
         self._all_gather_source = source
         if not async_op:
             self.wait_for_unshard()
@@ -371,6 +393,7 @@ class FSDPParamGroup:
                 )
             for fsdp_param in self.fsdp_params:
                 fsdp_param.finish_copy_out()
+        self._release_all_gather()
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -378,8 +401,10 @@ class FSDPParamGroup:
     def reshard(self) -> None:
         """Free the unsharded params and register the sharded ones."""
         # A prefetched all-gather still writes into its output: let it finish first.
-        self._wait_all_gather()
+        if self._wait_all_gather() is not None:
+            self._release_all_gather()
         self._post_forward_buffer = None
+        self._post_forward_event = None
         if self.sharded_state == ShardedState.SHARDED:
             return
         self._record("reshard")
@@ -429,6 +454,7 @@ class FSDPParamGroup:
         k, j = post_forward.shard_size, post_forward.shard_rank
         kept = [p.unsharded_rows(k)[j] for p in self._post_forward_order]  # each (W/k * bytes,)
         self._post_forward_buffer = torch.cat(kept)  # (W/k * shard_nbytes,) uint8
+        self._post_forward_event = self._streams().record_compute()
         self._record("reshard_post_forward")
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_sharded()
@@ -476,7 +502,8 @@ class FSDPParamGroup:
         # A backward prefetch that no pre-backward consumed (its forward was recomputed
         # after the group's post-backward, say) holds this step's values: the optimizer
         # is about to change them, so the next forward must not use it.
-        self._wait_all_gather()
+        if self._wait_all_gather() is not None:
+            self._release_all_gather()
         self.reset_iter_state()
 
     def reset_iter_state(self) -> None:
@@ -502,8 +529,8 @@ class FSDPParamGroup:
                 self.post_forward_mesh_info,
                 [ratio * p.all_gather_nbytes for p in self._post_forward_order],
             )
-        self.reset_sharded_params()  # ``param.data = ...`` since the last all-gather
-        # CPU offload: one host-to-device copy of the whole group's shards.
+        # CPU offload: one host-to-device copy of the whole group's shards (on the
+        # all-gather stream on an accelerator, so it overlaps compute).
         sharded = self.sharded_buffer.to(self.device, non_blocking=True)
         if not self._copies_in:
             return AllGatherSource(sharded, self.mesh_info, self._plain_all_gather_split)
@@ -537,17 +564,38 @@ class FSDPParamGroup:
         if result is None:
             return None
         assert source is not None
-        wait_s = time.perf_counter()
+        wait_s, waited_event = time.perf_counter(), self._timing_event()
         if result.work is not None:
-            result.work.wait()
+            result.work.wait()  # on an accelerator, the compute stream waits
         self._record_comm(
             "all_gather",
             result.output.numel(),
             self._all_gather_issued_s,
             wait_s,
             group_size=source.mesh_info.shard_size,
+            device=DeviceTiming.of(self._all_gather_issued_event, waited_event, self._timing_event),
         )
         return result
+
+    def _release_all_gather(self) -> None:
+        """The compute stream has read the all-gather's buffers (copy-out queued): the
+        all-gather stream waits for that before its next allocations may reuse them.
+        The caller drops its references right after."""
+        self._streams().wait_for_compute(StreamRole.ALL_GATHER)
+
+    # Streams #
+
+    def _streams(self) -> CommStreams:
+        return self.ctx.streams if self.ctx is not None else CommStreams()
+
+    def _all_gather_role(self) -> StreamRole | None:
+        """FSDP's own all-gathers (forward, backward and their prefetches) run on the
+        all-gather stream; a user's ``unshard()`` on the current one, as in torch."""
+        return StreamRole.ALL_GATHER if self._phase() in ("forward", "backward") else None
+
+    def _timing_event(self) -> object | None:
+        """A device timing event for the trace, if tracing on an accelerator."""
+        return self._streams().timing_event() if self.trace is not None else None
 
     # Tracing #
 
@@ -574,6 +622,7 @@ class FSDPParamGroup:
         wait_s: float,
         phase: str | None = None,
         group_size: int | None = None,
+        device: "DeviceTiming | None" = None,
     ) -> None:
         if self.trace is not None:
             self.trace.events.append(
@@ -586,5 +635,6 @@ class FSDPParamGroup:
                     wait_s=wait_s,
                     end_s=time.perf_counter(),
                     phase=phase or self._phase(),
+                    device=device,
                 )
             )

@@ -33,6 +33,8 @@ from .consistency import CollectiveCheck
 from .mesh import MeshInfo
 from .param import FSDPParam
 from .scheduler import CommContext
+from .streams import CommStreams, StreamRole
+from .trace import DeviceTiming
 
 # Reduce dtypes whose range lets the collective sum before dividing.
 _NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16)
@@ -46,16 +48,25 @@ class GradientReduction:
         fsdp_params: list[FSDPParam],
         mesh_info: MeshInfo,
         record_comm: Callable[..., None],
+        timing_event: Callable[[], object | None],
+        offload: bool,
     ) -> None:
         """
         Args:
             fsdp_params: the group's parameters, in its buffer order.
             mesh_info: the group's data-parallel mesh.
             record_comm: the group's trace recorder (kind, nbytes, issued_s, wait_s, ...).
+            timing_event: the group's device timing events for the trace (or None).
+            offload: CPU offload: the sharded grads land in host memory.
         """
         self.fsdp_params = fsdp_params
         self.mesh_info = mesh_info
         self._record_comm = record_comm
+        self._timing_event = timing_event
+        self.offload = offload
+        # CPU offload on an accelerator: the event after this backward's asynchronous
+        # device-to-host grad copies; the host waits for it at the end of backward.
+        self.offload_event: object | None = None
         self.requires_all_reduce = True  # HSDP: all-reduce over the replicate axis
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
@@ -143,7 +154,7 @@ class GradientReduction:
         pre_divisor, post_divisor = self._divisors(plan, reduce_dtype)
         if pre_divisor != 1.0:
             grads = torch._foreach_div(grads, pre_divisor)
-        issued_s = time.perf_counter()
+        issued_s, issued_event = time.perf_counter(), self._timing_event()
         if any(is_quantized):
             assert policy is not None and policy.reduce_scatter is not None
             result = quantized_reduce_scatter(
@@ -165,8 +176,9 @@ class GradientReduction:
         # The grads now live in the reduce-scatter input: free the unsharded ones.
         for fsdp_param in with_grad:
             fsdp_param.clear_unsharded_grad()
+        issued = (issued_s, issued_event)
         ctx.enqueue_reduce_scatter(
-            lambda: self._finish(result, with_grad, post_divisor, issued_s, policy, ctx, fqn),
+            lambda: self._finish(result, with_grad, post_divisor, issued, policy, ctx, fqn),
             lambda: result.work.wait() if result.work is not None else None,
         )
 
@@ -211,49 +223,92 @@ class GradientReduction:
         result: ReduceScatterResult | QuantizedReduceScatterResult,
         with_grad: list[FSDPParam],
         post_divisor: float,
-        issued_s: float,
+        issued: tuple[float, object | None],
         policy: CommPrecisionPolicy | None,
         ctx: CommContext,
         fqn: str,
     ) -> None:
-        wait_s = time.perf_counter()
+        wait_s, waited_event = time.perf_counter(), self._timing_event()
         if result.work is not None:
-            result.work.wait()
-        self._record_comm("reduce_scatter", result.input_nbytes, issued_s, wait_s, phase="backward")
-        reduced = (
-            finish_quantized_reduce_scatter(result)
-            if isinstance(result, QuantizedReduceScatterResult)
-            else finish_reduce_scatter(result)
-        )  # (sum of padded chunk numels,)
-        if not self.mesh_info.is_hsdp:
-            self._land(with_grad, reduced, post_divisor)
-            return
-        if not self.requires_all_reduce:
+            result.work.wait()  # on an accelerator, the compute stream waits
+        self._record_comm(
+            "reduce_scatter",
+            result.input_nbytes,
+            issued[0],
+            wait_s,
+            phase="backward",
+            device=DeviceTiming.of(issued[1], waited_event, self._timing_event),
+        )
+        if not self.mesh_info.is_hsdp or not self.requires_all_reduce:
+            reduced = _finish_any_reduce_scatter(result)  # (sum of padded chunk numels,)
+            if not self.mesh_info.is_hsdp:
+                self._land(with_grad, reduced, post_divisor, ctx.streams)
+                return
             for fsdp_param, chunk in zip(with_grad, self._split(reduced, with_grad), strict=True):
                 fsdp_param.accumulate_partial_grad(chunk)
             return
-        pending = self._all_reduce_over_replicas(
-            dict(zip(with_grad, self._split(reduced, with_grad), strict=True)),
-            average=result.plan.average_in_all_reduce,
-            policy=policy,
-            check=ctx.check,
-            fqn=fqn,
-        )
+        streams = ctx.streams
+        with streams.on(StreamRole.ALL_REDUCE):
+            # The all-reduce stream waits for the reduce-scatter, not for the compute
+            # queued since (a no-op on the host, which waited above).
+            if result.work is not None:
+                result.work.wait()
+            pending = self._all_reduce_over_replicas(
+                dict(
+                    zip(
+                        with_grad,
+                        self._split(_finish_any_reduce_scatter(result), with_grad),
+                        strict=True,
+                    )
+                ),
+                average=result.plan.average_in_all_reduce,
+                policy=policy,
+                check=ctx.check,
+                fqn=fqn,
+            )
+        # Compute frees what the all-reduce stream read: the reduce-scatter's buffers and
+        # the partial sums of micro-batches without all-reduce.
+        streams.join(StreamRole.ALL_REDUCE)
         # In flight while backward goes on; the gradients land when the scheduler
         # finishes it (the bounded queue, or the end of backward).
         ctx.enqueue_all_reduce(
-            lambda: self._land(*self._finish_all_reduce(pending), post_divisor),
-            pending.wait,
+            lambda: self._land_all_reduced(pending, post_divisor, streams), pending.wait
         )
 
-    def _land(self, params: list[FSDPParam], reduced: torch.Tensor, post_divisor: float) -> None:
-        """Divide once, run the user's hook, and land each param's chunk on its ``.grad``."""
+    def _land_all_reduced(
+        self, pending: "ReplicaAllReduce", post_divisor: float, streams: CommStreams
+    ) -> None:
+        params, reduced = self._finish_all_reduce(pending)  # read on the compute stream
+        # The all-reduce stream may reuse its buffers once compute has read them.
+        streams.wait_for_compute(StreamRole.ALL_REDUCE)
+        self._land(params, reduced, post_divisor, streams)
+
+    def _land(
+        self,
+        params: list[FSDPParam],
+        reduced: torch.Tensor,
+        post_divisor: float,
+        streams: CommStreams,
+    ) -> None:
+        """Divide once, run the user's hook, and land each param's chunk on its ``.grad``
+        (CPU offload: copied to the host, asynchronously where nothing reads it there
+        before the end of backward, which then waits for `offload_event`)."""
         if post_divisor != 1.0:
             reduced.div_(post_divisor)
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(reduced)
-        for fsdp_param, chunk in zip(params, self._split(reduced, params), strict=True):
-            fsdp_param.accumulate_sharded_grad(chunk)
+        to_host = streams.copy_to_host if self.offload else None
+        copying = [
+            fsdp_param.accumulate_sharded_grad(chunk, to_host)
+            for fsdp_param, chunk in zip(params, self._split(reduced, params), strict=True)
+        ]
+        if any(copying):
+            self.offload_event = streams.record_compute()
+
+    def wait_for_offloaded_grads(self, streams: CommStreams) -> None:
+        """Block the host until this backward's asynchronous grad copies have landed."""
+        event, self.offload_event = self.offload_event, None
+        streams.wait_on_host(event)
 
     @staticmethod
     def _split(reduced: torch.Tensor, params: list[FSDPParam]) -> tuple[torch.Tensor, ...]:
@@ -287,7 +342,7 @@ class GradientReduction:
                 "all_reduce",
                 sum(t.nbytes for t in parts),
             )
-        issued_s = time.perf_counter()
+        issued_s, issued_event = time.perf_counter(), self._timing_event()
         is_quantized = [self._quantizes(p, policy, replicate_leg=True) for p in params]
         exact = [t for t, q in zip(parts, is_quantized, strict=True) if not q]
         quantized = [t for t, q in zip(parts, is_quantized, strict=True) if q]
@@ -305,7 +360,7 @@ class GradientReduction:
             nbytes += quantized_result.nbytes
         return ReplicaAllReduce(
             params, is_quantized, [t.numel() for t in exact], exact_flat, exact_work,
-            quantized_result, issued_s, nbytes,
+            quantized_result, issued_s, issued_event, nbytes,
         )  # fmt: skip
 
     def _finish_all_reduce(
@@ -313,7 +368,7 @@ class GradientReduction:
     ) -> tuple[list[FSDPParam], torch.Tensor]:
         """Wait for the replicate-axis reduction; the params and their reduced chunks, one
         1-D buffer in the params' order."""
-        wait_s = time.perf_counter()
+        wait_s, waited_event = time.perf_counter(), self._timing_event()
         exact: list[torch.Tensor] = []
         if pending.exact_flat is not None:
             if pending.exact_work is not None:
@@ -329,6 +384,7 @@ class GradientReduction:
             wait_s,
             phase="backward",
             group_size=self.mesh_info.replicate_size,
+            device=DeviceTiming.of(pending.issued_event, waited_event, self._timing_event),
         )
         exact_iter, quantized_iter = iter(exact), iter(quantized)
         flat = torch.cat(
@@ -348,6 +404,7 @@ class ReplicaAllReduce:
     exact_work: dist.Work | None
     quantized: QuantizedAllReduceResult | None
     issued_s: float
+    issued_event: object | None  # device timing, when tracing on an accelerator
     nbytes: int  # bytes this rank sends
 
     def wait(self) -> None:
@@ -356,6 +413,15 @@ class ReplicaAllReduce:
             self.exact_work.wait()
         if self.quantized is not None and self.quantized.work is not None:
             self.quantized.work.wait()
+
+
+def _finish_any_reduce_scatter(
+    result: ReduceScatterResult | QuantizedReduceScatterResult,
+) -> torch.Tensor:
+    """This rank's reduced chunk of every grad, (sum of padded chunk numels,)."""
+    if isinstance(result, QuantizedReduceScatterResult):
+        return finish_quantized_reduce_scatter(result)
+    return finish_reduce_scatter(result)
 
 
 def _first_nonfinite(grads: list[torch.Tensor]) -> int:

@@ -11,7 +11,9 @@ tree. It owns the cross-group decisions:
   buffers at once; and HSDP's all-reduces over the replicate axis, issued as each
   reduce-scatter finishes and waited only when the bound or the end of backward
   needs their gradients (torch's FSDP2 runs them on their own stream);
-- whether this backward's final callback has been queued.
+- whether this backward's final callback has been queued;
+- the streams (`CommStreams`, streams.py) the groups issue their collectives on: side
+  streams on an accelerator, none on the host.
 
 Collectives themselves are issued by the groups (param_group.py) through
 collectives.py; this module only decides which group, and when.
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .consistency import CollectiveCheck
+from .streams import CommStreams, StreamRole
 
 
 class Prefetchable(Protocol):
@@ -35,10 +38,13 @@ class Prefetchable(Protocol):
 class CommContext:
     """Shared per-root scheduling state. See the module docstring."""
 
-    def __init__(self, max_in_flight_reduce_scatters: int = 2) -> None:
+    def __init__(
+        self, max_in_flight_reduce_scatters: int = 2, streams: CommStreams | None = None
+    ) -> None:
         if max_in_flight_reduce_scatters < 1:
             raise ValueError("max_in_flight_reduce_scatters must be >= 1")
         self.max_in_flight_reduce_scatters = max_in_flight_reduce_scatters
+        self.streams = streams if streams is not None else CommStreams()
         self.post_forward_order: list[Prefetchable] = []
         self.is_in_forward = False  # between the root's pre- and post-forward
         self.is_backward_callback_queued = False
@@ -56,10 +62,16 @@ class CommContext:
 
     # Forward #
 
-    def begin_forward(self) -> None:
-        """The root's forward starts a new iteration: forget the last forward's order."""
+    def begin_forward(self, post_optim_event: object | None = None) -> None:
+        """The root's forward starts a new iteration: forget the last forward's order;
+        this forward's all-gathers read what the optimizer wrote (all of the compute
+        stream's work so far, or just ``set_post_optim_event``'s event)."""
         self.post_forward_order.clear()
         self.is_in_forward = True
+        if post_optim_event is not None:
+            self.streams.wait_for_event(StreamRole.ALL_GATHER, post_optim_event)
+        else:
+            self.streams.wait_for_compute(StreamRole.ALL_GATHER)
 
     def end_forward(self) -> None:
         self.is_in_forward = False

@@ -32,6 +32,7 @@ from .api import MixedPrecisionPolicy
 from .consistency import CollectiveCheck
 from .param_group import FSDPParamGroup, TrainingState
 from .scheduler import CommContext
+from .streams import CommStreams, streams_for
 
 # The attribute under which a module keeps its FSDPState. Stored in the module's
 # __dict__ (not as a submodule) so it never shows up in module traversals.
@@ -64,13 +65,13 @@ class FSDPState:
         self.states_in_tree: list[FSDPState] = []  # the root's: every state under it
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] | None = None  # None: implicit
-        self.is_last_backward = True  # read on the root
         self.max_in_flight_reduce_scatters = 2  # read on the root at lazy init
         # set_divergence_check / set_nonfinite_grad_check, read on the root.
         self.divergence_check = False
         self.divergence_timeout: timedelta | None = None
         self.nonfinite_grad_check = False
         self.post_optim_event: torch.Event | None = None  # root only, used once
+        self.shared_streams: CommStreams | None = None  # share_comm_ctx, read at lazy init
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
 
     # Initialization #
@@ -97,7 +98,9 @@ class FSDPState:
                     f"{_describe(self.modules)} first (FSDP picks the root at the first forward)"
                 )
         assign_fqns(self.modules, states)
-        ctx = CommContext(self.max_in_flight_reduce_scatters)
+        ctx = CommContext(
+            self.max_in_flight_reduce_scatters, self.shared_streams or streams_for(self.device)
+        )
         ctx.check = self.collective_check(states)
         # Groups first: one that refuses (params still on meta) leaves no state rooted.
         for state in states:
@@ -145,10 +148,8 @@ class FSDPState:
         if self._is_recomputing_in_backward():
             return args, kwargs
         if self.is_root:
-            self.ctx.begin_forward()
-            if self.post_optim_event is not None:
-                self.post_optim_event.wait()
-                self.post_optim_event = None
+            self.ctx.begin_forward(self.post_optim_event)
+            self.post_optim_event = None
             if self.device.type not in ("cpu", "meta"):
                 # As DDP and torch's FSDP2: inputs may arrive on the host.
                 args, kwargs = inputs_to_device((args, kwargs), self.device)
@@ -201,18 +202,13 @@ class FSDPState:
         # Every sharded grad has landed when backward returns, as in torch (whose
         # set_is_last_backward(False) only skips waiting for the device streams).
         self.ctx.wait_for_reduce_scatters()
-        if self.is_last_backward:
-            self._wait_for_offloaded_grads()
+        # CPU offload: the host reads the sharded grads next (the optimizer, or the next
+        # micro-batch's add), so their device-to-host copies must have landed, as in
+        # torch whatever set_is_last_backward says.
+        for state in self.states_in_tree:
+            if state.group is not None:
+                state.group.reduction.wait_for_offloaded_grads(self.ctx.streams)
         self.ctx.reset()
-
-    def _wait_for_offloaded_grads(self) -> None:
-        # CPU offload copies sharded grads device-to-host without blocking; the
-        # optimizer reads them on the host right after backward returns.
-        offloaded = [
-            s.group for s in self.states_in_tree if s.group is not None and s.group.offload
-        ]
-        if offloaded and offloaded[0].device.type not in ("cpu", "meta"):
-            getattr(torch, offloaded[0].device.type).current_stream().synchronize()
 
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward (root only): the failed

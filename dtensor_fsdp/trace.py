@@ -7,13 +7,52 @@ bytes, issue and completion times) and one ``LifecycleEvent`` per lifecycle step
 instead of patching internals; users export it to Perfetto or summarize it.
 
 Times are host times (``time.perf_counter``): ``start_s`` when the collective was issued
-and ``end_s`` when the wait for it returned. On an accelerator the wait is a stream
-wait, so ``end_s`` bounds when the host *could* proceed, not when the kernel finished.
+and ``end_s`` when the wait for it returned. On the host (gloo) the wait blocks, so
+``end_s - wait_s`` is exposed communication. On an accelerator the wait is a stream
+wait that returns at once; each event then also carries `DeviceTiming`, three device
+events (issued on the issuing stream; compute reached the wait; the wait was over), and
+``exposed_s`` is the time the compute stream really stalled on the collective.
+Resolving device times synchronizes with those events, so read them after the step.
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass(frozen=True)
+class DeviceTiming:
+    """Device events of one collective (``torch.Event(enable_timing=True)`` or alike).
+
+    Attributes:
+        issued: recorded on the issuing stream just before the collective.
+        waited: recorded on the compute stream where it first needed the result.
+        done: recorded on the compute stream right after its wait for the collective.
+    """
+
+    issued: Any
+    waited: Any
+    done: Any
+
+    @staticmethod
+    def of(issued: Any, waited: Any, record: Callable[[], Any]) -> "DeviceTiming | None":
+        """The timing of a collective whose ``issued``/``waited`` events exist (tracing
+        on an accelerator); ``record()`` records ``done`` now. None otherwise."""
+        if issued is None or waited is None:
+            return None
+        return DeviceTiming(issued, waited, record())
+
+    def exposed_s(self) -> float:
+        """How long the compute stream stalled on the collective."""
+        self.done.synchronize()
+        return max(0.0, self.waited.elapsed_time(self.done)) / 1e3
+
+    def span_s(self, origin: Any) -> tuple[float, float]:
+        """(issued, done) in seconds after the device event ``origin``. ``done`` bounds
+        the collective's end from above: it is when compute had waited for it."""
+        self.done.synchronize()
+        return origin.elapsed_time(self.issued) / 1e3, origin.elapsed_time(self.done) / 1e3
 
 
 @dataclass(frozen=True)
@@ -29,6 +68,7 @@ class CommEvent:
         wait_s: host time the wait for it began (when its result was first needed).
         end_s: host time its wait returned; ``end_s - wait_s`` is exposed communication.
         phase: ``"forward"``, ``"backward"`` or ``"explicit"`` (a user ``unshard()``).
+        device: its device events on an accelerator, None on the host.
     """
 
     kind: str
@@ -39,10 +79,14 @@ class CommEvent:
     wait_s: float
     end_s: float
     phase: str
+    device: DeviceTiming | None = None
 
     @property
     def exposed_s(self) -> float:
-        """Host time spent blocked on this collective: what overlap did not hide."""
+        """Time compute was blocked on this collective, what overlap did not hide: the
+        compute stream's stall on an accelerator, the host's wait elsewhere."""
+        if self.device is not None:
+            return self.device.exposed_s()
         return self.end_s - self.wait_s
 
     @property
@@ -93,26 +137,37 @@ class CommTrace:
         }
 
     def export_chrome_trace(self, path: str) -> None:
-        """Write the collectives as a Chrome/Perfetto trace (one track per kind)."""
-        if not self.events:
-            records: list[dict[str, Any]] = []
-        else:
+        """Write the collectives as a Chrome/Perfetto trace (one track per kind): host
+        times, and on an accelerator device times in a second process ("device")."""
+        records: list[dict[str, Any]] = []
+        if self.events:
             origin = min(event.start_s for event in self.events)
-            records = [
-                {
-                    "name": f"{event.kind} ({event.fqn or 'root'})",
-                    "ph": "X",
-                    "ts": (event.start_s - origin) * 1e6,
-                    "dur": (event.end_s - event.start_s) * 1e6,
-                    "pid": 0,
-                    "tid": event.kind,
-                    "args": {
-                        "nbytes": event.nbytes,
-                        "group_size": event.group_size,
-                        "exposed_us": event.exposed_s * 1e6,
-                    },
-                }
+            records += [
+                _chrome_record(event, 0, event.start_s - origin, event.end_s - origin)
                 for event in self.events
+            ]
+        timed = [event for event in self.events if event.device is not None]
+        if timed:
+            device_origin = min(timed, key=lambda e: e.start_s).device.issued  # type: ignore[union-attr]
+            records += [
+                _chrome_record(event, 1, *event.device.span_s(device_origin))  # type: ignore[union-attr]
+                for event in timed
             ]
         with open(path, "w") as f:
             json.dump({"traceEvents": records}, f)
+
+
+def _chrome_record(event: CommEvent, pid: int, start_s: float, end_s: float) -> dict[str, Any]:
+    return {
+        "name": f"{event.kind} ({event.fqn or 'root'})",
+        "ph": "X",
+        "ts": start_s * 1e6,
+        "dur": (end_s - start_s) * 1e6,
+        "pid": pid,  # 0: host times; 1: device times
+        "tid": event.kind,
+        "args": {
+            "nbytes": event.nbytes,
+            "group_size": event.group_size,
+            "exposed_us": event.exposed_s * 1e6,
+        },
+    }

@@ -79,7 +79,9 @@ def test_divisor_covers_the_axes_the_collectives_do_not_average(
 ) -> None:
     with fake_mesh(4):
         mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2))  # HSDP: 2 replicas x 2 shards
-        reduction = GradientReduction([], mesh_info_for(mesh), lambda *a, **k: None)
+        reduction = GradientReduction(
+            [], mesh_info_for(mesh), lambda *a, **k: None, lambda: None, offload=False
+        )
         assert reduction._divisors(plan, torch.float32) == (1.0, divisor)
         # fp16 splits the divisor around the sum exactly as torch's FSDP2 does.
         pre, post, _, _ = _get_gradient_divide_factors(None, None, torch.float16, factor=divisor)

@@ -1,0 +1,446 @@
+"""The stream layer (dtensor_fsdp/streams.py), driven by the real scheduling code on CPU.
+
+On the host every stream call is a no-op, so the suite as a whole checks that the CPU
+backend keeps every behaviour. These tests put instrumented backends in its place
+(after lazy init, on the root's ``CommContext``) and check what an accelerator relies
+on, with the same scheduling code:
+
+- ``RecordingStreams`` logs every stream call, each collective with the stream it was
+  issued on, and each block's compute: FSDP's all-gathers run on the all-gather stream,
+  which waits for the compute stream only where data flows, so the next block's
+  all-gather is never ordered after this block's compute (overlap); a user's
+  ``unshard()`` stays on the compute stream; hpZ and HSDP's all-reduce wait for exactly
+  their inputs. Training through it matches torch's ``fully_shard`` bitwise.
+- ``DeferredCopyStreams`` is a device whose asynchronous device-to-host copies land
+  only when the host waits for an event recorded after them (CPU offload's race): the
+  grads must be right after every backward, micro-batches included.
+- ``FakeTimingStreams`` hands out timing events on a fake device clock: the trace's
+  exposed time is then the device stall, and the Chrome export has a device track.
+"""
+
+import contextlib
+import copy
+import json
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+import dtensor_fsdp.param_group as param_group_module
+from dtensor_fsdp import CommTrace, CPUOffloadPolicy
+from dtensor_fsdp.reduction import GradientReduction
+from dtensor_fsdp.streams import CommStreams, StreamRole
+from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests.dist._mlp import mlp, shard_mlp
+from tests.dist._parity import local_pairs
+
+WORLD_SIZE = 4
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 8, generator=gen), torch.randn(4, 3, generator=gen)
+
+
+def _loss(model: torch.nn.Module, step: int, rank: int) -> torch.Tensor:
+    x, y = _batch(step, rank)
+    return F.mse_loss(model(x), y)
+
+
+def _root_ctx(model: torch.nn.Module) -> Any:
+    ctx = model._get_fsdp_state().ctx
+    assert ctx is not None, "run a forward first (lazy init)"
+    return ctx
+
+
+# ---------------------------------------------------------------------------
+# Instrumented backends
+# ---------------------------------------------------------------------------
+
+
+class RecordingStreams(CommStreams):
+    """Host semantics (work runs at once), plus a log of what a device would order."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, ...]] = []
+        self.role: StreamRole | None = None
+        self._events = 0
+
+    @staticmethod
+    def _name(role: StreamRole | None) -> str:
+        return role.name if role is not None else "compute"
+
+    @contextmanager
+    def on(self, role: StreamRole | None) -> Iterator[None]:
+        outer, self.role = self.role, role
+        try:
+            yield
+        finally:
+            self.role = outer
+
+    def wait_for_compute(self, role: StreamRole) -> None:
+        self.log.append(("wait_for_compute", self._name(role)))
+
+    def wait_for_event(self, role: StreamRole, event: Any) -> None:
+        if event is not None:
+            self.log.append(("wait_for_event", self._name(role), str(event)))
+
+    def join(self, role: StreamRole) -> None:
+        self.log.append(("join", self._name(role)))
+
+    def record_compute(self) -> str:
+        self._events += 1
+        self.log.append(("record_compute", f"event{self._events}"))
+        return f"event{self._events}"
+
+
+@contextmanager
+def _logging_collectives(streams: RecordingStreams) -> Iterator[None]:
+    """Log each all-gather with the stream it is issued on; blocks log their compute."""
+    original = param_group_module.all_gather
+
+    def all_gather(*args: Any, **kwargs: Any) -> Any:
+        streams.log.append(("all_gather", streams._name(streams.role)))
+        return original(*args, **kwargs)
+
+    param_group_module.all_gather = all_gather
+    try:
+        yield
+    finally:
+        param_group_module.all_gather = original
+
+
+def _log_compute(model: torch.nn.Sequential, streams: RecordingStreams) -> None:
+    # Registered after fully_shard's (prepended) pre-hook: runs once the block is
+    # unsharded, right before its compute is queued.
+    for index in (0, 2, 4):
+        model[index].register_forward_pre_hook(
+            lambda _m, _a, index=index: streams.log.append(("compute", str(index)))
+        )
+
+
+class DeferredCopyStreams(CommStreams):
+    """A device whose non-blocking device-to-host copies land only when the host waits
+    on an event recorded after them, as CUDA's do; until then the host sees NaN."""
+
+    def __init__(self) -> None:
+        self.in_flight: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.deferred_copies = 0
+
+    def copy_to_host(self, tensor: torch.Tensor, dtype: torch.dtype, non_blocking: bool) -> Any:
+        if not non_blocking:
+            return super().copy_to_host(tensor, dtype, non_blocking)
+        source = tensor.detach().to(dtype=dtype, copy=True)  # what the device will send
+        destination = torch.full_like(source, math.nan)
+        self.in_flight.append((destination, source))
+        self.deferred_copies += 1
+        return destination
+
+    def record_compute(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        event, self.in_flight = self.in_flight, []  # the copies issued so far
+        return event
+
+    def wait_on_host(self, event: Any) -> None:
+        for destination, source in event or []:
+            destination.copy_(source)
+
+
+class FakeEvent:
+    """A timing event on a fake device clock: the host's, when it was recorded."""
+
+    def __init__(self) -> None:
+        self.time_s = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        return (end.time_s - self.time_s) * 1e3  # milliseconds, as torch's
+
+
+class FakeTimingStreams(CommStreams):
+    def timing_event(self) -> FakeEvent:
+        return FakeEvent()
+
+
+# ---------------------------------------------------------------------------
+# Scenarios
+# ---------------------------------------------------------------------------
+
+
+def _schedule(rank: int, mesh: Any) -> dict[str, Any]:
+    """One training step recorded; then the same steps on torch's fully_shard."""
+    base = mlp()
+    ours = shard_mlp(copy.deepcopy(base), mesh)
+    theirs = shard_mlp(copy.deepcopy(base), mesh, shard=torch_fully_shard)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    records = []
+    streams = RecordingStreams()
+    _log_compute(ours, streams)
+    for step in range(2):
+        if step == 1:  # after lazy init, which made the host backend
+            _root_ctx(ours).streams = streams
+            streams.log.clear()  # step 0's compute
+        with _logging_collectives(streams) if step == 1 else contextlib.nullcontext():
+            losses = [_loss(m, step, rank) for m in (ours, theirs)]
+            for loss in losses:
+                loss.backward()
+        records.append({"loss": [loss.item() for loss in losses]})
+        records[-1]["grads"] = local_pairs(ours, theirs, grads=True)
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+        records[-1]["params"] = local_pairs(ours, theirs, grads=False)
+    step_log = list(streams.log)
+    with _logging_collectives(streams):
+        streams.log.clear()
+        ours[2].unshard()
+        explicit = list(streams.log)
+        ours[2].reshard()
+    return {"log": step_log, "explicit": explicit, "records": records}
+
+
+def _hpz(rank: int, mesh: Any) -> list[tuple[str, ...]]:
+    """reshard_after_forward=2 on 4 ranks: the backward all-gather reads the buffer
+    kept at post-forward."""
+    model = shard_mlp(mlp(), mesh, reshard_after_forward=2)
+    _loss(model, 0, rank).backward()
+    streams = RecordingStreams()
+    _root_ctx(model).streams = streams
+    with _logging_collectives(streams):
+        _loss(model, 1, rank).backward()
+    return streams.log
+
+
+def _hsdp(rank: int) -> dict[str, Any]:
+    """2 replicas x 2 shards: the all-reduce runs on its own stream, fed by the
+    reduce-scatter, and lands the same grads as torch's HSDP."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    base = mlp()
+    ours = shard_mlp(copy.deepcopy(base), mesh)
+    theirs = shard_mlp(copy.deepcopy(base), mesh, shard=torch_fully_shard)
+    _loss(ours, 0, rank).backward()
+    _loss(theirs, 0, rank).backward()
+    for model in (ours, theirs):
+        model.zero_grad()
+    streams = RecordingStreams()
+    _root_ctx(ours).streams = streams
+    for model in (ours, theirs):
+        _loss(model, 1, rank).backward()
+    return {"log": streams.log, "grads": local_pairs(ours, theirs, grads=True)}
+
+
+def _offload(rank: int, mesh: Any, wait_for_copies: bool) -> dict[str, Any]:
+    """CPU offload on a device with deferred copies: two micro-batches (the first with
+    set_is_last_backward(False)), a step, one more backward; against torch's."""
+    base = mlp()
+    ours = shard_mlp(copy.deepcopy(base), mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    theirs = shard_mlp(
+        copy.deepcopy(base),
+        mesh,
+        shard=torch_fully_shard,
+        offload_policy=TorchCPUOffloadPolicy(pin_memory=False),
+    )
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    _loss(ours, 0, rank).backward()  # lazy init on the host backend
+    ours.zero_grad()
+    theirs.zero_grad()  # never ran: nothing to drop
+    streams = DeferredCopyStreams()
+    _root_ctx(ours).streams = streams
+    original = GradientReduction.wait_for_offloaded_grads
+    if not wait_for_copies:  # the race, for the control: nobody waits for the copies
+        GradientReduction.wait_for_offloaded_grads = lambda self, streams: None
+    try:
+        records = []
+        for step, last in ((1, False), (2, True)):  # two micro-batches of one step
+            ours.set_is_last_backward(last)
+            theirs.set_is_last_backward(last)
+            for model in (ours, theirs):
+                _loss(model, step, rank).backward()
+            records.append(local_pairs(ours, theirs, grads=True))
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+        for model in (ours, theirs):
+            _loss(model, 3, rank).backward()
+        records.append(local_pairs(ours, theirs, grads=True))
+        records.append(local_pairs(ours, theirs, grads=False))
+    finally:
+        GradientReduction.wait_for_offloaded_grads = original
+    return {"records": records, "deferred_copies": streams.deferred_copies}
+
+
+def _timing(rank: int, mesh: Any, tmp_dir: str) -> dict[str, Any]:
+    model = shard_mlp(mlp(), mesh)
+    _loss(model, 0, rank).backward()
+    trace = CommTrace()
+    model.set_comm_trace(trace)
+    _loss(model, 1, rank).backward()  # the host backend: no device timing
+    host_only = all(e.device is None for e in trace.events)
+    trace.clear()
+    _root_ctx(model).streams = FakeTimingStreams()
+    _loss(model, 2, rank).backward()
+    path = Path(tmp_dir) / f"trace{rank}.json"
+    trace.export_chrome_trace(str(path))
+    return {
+        "host_only": host_only,
+        "events": [
+            (
+                e.kind,
+                e.device is not None,
+                e.exposed_s,
+                e.device.waited.elapsed_time(e.device.done) / 1e3 if e.device else None,
+                e.device.issued.time_s <= e.device.waited.time_s if e.device else None,
+            )
+            for e in trace.events
+        ],
+        "chrome": [(r["pid"], r["name"]) for r in json.loads(path.read_text())["traceEvents"]],
+    }
+
+
+def _run(rank: int, world_size: int, tmp_dir: str) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    # Two independent 2-rank FSDP meshes where results are compared with torch's:
+    # 2-addend sums are exact in any order, so ours and torch's agree bitwise.
+    pairs = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "fsdp"))["fsdp"]
+    return run_scenarios(
+        {
+            "schedule": lambda: _schedule(rank, pairs),
+            "hpz": lambda: _hpz(rank, mesh),
+            "hsdp": lambda: _hsdp(rank),
+            "offload": lambda: _offload(rank, pairs, wait_for_copies=True),
+            "offload_race": lambda: _offload(rank, pairs, wait_for_copies=False),
+            "timing": lambda: _timing(rank, pairs, tmp_dir),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp_dir = str(tmp_path_factory.mktemp("stream_traces"))
+    return run_distributed(_run, WORLD_SIZE, tmp_dir, timeout=240)
+
+
+def _assert_equal_pairs(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], what: str) -> None:
+    # Sums of 2 fp32 addends (exact in any order), then a division by 2 (exact): bitwise.
+    for name, (ours, theirs) in pairs.items():
+        assert torch.equal(ours, theirs), f"{what} {name}: {(ours - theirs).abs().max()}"
+
+
+# ---------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------
+
+
+def test_all_gathers_run_on_their_stream_and_overlap_the_previous_blocks_compute(run) -> None:
+    for rank, rec in enumerate(scenario_records(run, "schedule")):
+        log = rec["log"]
+        gathers = [i for i, entry in enumerate(log) if entry[0] == "all_gather"]
+        # Root, block 0, block 2 in forward; blocks 2 and 0 again in backward (the root
+        # stays unsharded between forward and backward).
+        assert len(gathers) == 5, log
+        assert all(log[i] == ("all_gather", "ALL_GATHER") for i in gathers), log
+        # The root's pre-forward orders the all-gathers after the optimizer step.
+        assert log[0] == ("wait_for_compute", "ALL_GATHER"), log
+        # After each copy-out (before its block computes) the all-gather stream waits
+        # for compute, so it may reuse the buffer; never after a block's compute
+        # started and before the next all-gather: that one overlaps the compute.
+        for gather in gathers[:3]:  # forward
+            computes = [i for i in range(gather) if log[i][0] == "compute"]
+            if computes:
+                waits = [
+                    i
+                    for i in range(computes[-1], gather)
+                    if log[i] == ("wait_for_compute", "ALL_GATHER")
+                ]
+                assert not waits, f"rank {rank}: all-gather {gather} waits for compute: {log}"
+        for gather in gathers:
+            assert log[gather + 1] == ("wait_for_compute", "ALL_GATHER"), log
+        # Backward: block 2's all-gather, its copy-out, then block 0's prefetch, issued
+        # before block 2's backward compute is queued.
+        assert log[gathers[3] :] == [
+            ("all_gather", "ALL_GATHER"),
+            ("wait_for_compute", "ALL_GATHER"),
+            ("all_gather", "ALL_GATHER"),
+            ("wait_for_compute", "ALL_GATHER"),
+        ], log
+        # A user's unshard() runs on the compute stream, as torch's does.
+        assert rec["explicit"][0] == ("all_gather", "compute"), rec["explicit"]
+
+
+def test_training_through_the_streams_matches_torch(run) -> None:
+    for rank, rec in enumerate(scenario_records(run, "schedule")):
+        for step, record in enumerate(rec["records"]):
+            assert record["loss"][0] == record["loss"][1], f"rank {rank} step {step}"
+            _assert_equal_pairs(record["grads"], f"rank {rank} step {step} grad")
+            _assert_equal_pairs(record["params"], f"rank {rank} step {step} param")
+
+
+def test_hpz_backward_all_gather_waits_for_the_post_forward_buffer(run) -> None:
+    for log in scenario_records(run, "hpz"):
+        events = [entry[1] for entry in log if entry[0] == "record_compute"]
+        assert len(events) == 3, log  # the root and blocks 0, 2 keep 1/2 of their params
+        for event in events:
+            recorded = log.index(("record_compute", event))
+            waited = log.index(("wait_for_event", "ALL_GATHER", event))
+            gathers = [i for i in range(waited, len(log)) if log[i][0] == "all_gather"]
+            assert recorded < waited < gathers[0], log
+        # Recorded in forward, waited in backward: not right away, which would order
+        # the next block's forward all-gather after this block's compute.
+        first_wait = min(i for i, e in enumerate(log) if e[0] == "wait_for_event")
+        assert first_wait > log.index(("record_compute", events[-1])), log
+
+
+def test_hsdp_all_reduce_waits_for_its_reduce_scatter_not_for_compute(run) -> None:
+    for rank, rec in enumerate(scenario_records(run, "hsdp")):
+        log = rec["log"]
+        # One join per group after its all-reduce was issued on the all-reduce stream
+        # (compute may then free what it read); one wait_for_compute per landing (the
+        # all-reduce stream may reuse its buffers once compute read them). Never a
+        # wait of the all-reduce stream for compute before the all-reduce is issued.
+        joins = [i for i, e in enumerate(log) if e == ("join", "ALL_REDUCE")]
+        landings = [i for i, e in enumerate(log) if e == ("wait_for_compute", "ALL_REDUCE")]
+        assert len(joins) == len(landings) == 3, log
+        assert all(j < landing for j, landing in zip(joins, landings, strict=True)), log
+        _assert_equal_pairs(rec["grads"], f"rank {rank} HSDP grad")
+
+
+def test_cpu_offload_grads_land_before_the_host_reads_them(run) -> None:
+    for rank, rec in enumerate(scenario_records(run, "offload")):
+        # Only the first landing of each grad per step is asynchronous (6 params: 2
+        # steps); adding into an existing grad copies synchronously.
+        assert rec["deferred_copies"] == 12, rec["deferred_copies"]
+        for index, pairs in enumerate(rec["records"]):
+            _assert_equal_pairs(pairs, f"rank {rank} record {index}")
+
+
+def test_offload_race_is_visible_without_the_wait(run) -> None:
+    # The control: with nobody waiting for the copies, the host reads unfinished ones.
+    for rec in scenario_records(run, "offload_race"):
+        first_backward = rec["records"][0]
+        assert any(ours.isnan().any() for ours, _ in first_backward.values())
+
+
+def test_trace_reports_device_stalls_with_timing_events(run) -> None:
+    for rec in scenario_records(run, "timing"):
+        assert rec["host_only"]
+        events = rec["events"]
+        kinds = sorted(kind for kind, *_ in events)
+        assert kinds == ["all_gather"] * 5 + ["reduce_scatter"] * 3, kinds
+        for kind, has_device, exposed, device_exposed, ordered in events:
+            assert has_device and ordered, (kind, has_device, ordered)
+            assert exposed == max(0.0, device_exposed), kind
+        chrome = rec["chrome"]
+        assert sorted(n for pid, n in chrome if pid == 0) == sorted(
+            n for pid, n in chrome if pid == 1
+        )
+        assert len(chrome) == 2 * len(events)
