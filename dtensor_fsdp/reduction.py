@@ -228,9 +228,25 @@ class GradientReduction:
         ctx: CommContext,
         fqn: str,
     ) -> None:
+        if self.mesh_info.is_hsdp and self.requires_all_reduce:
+            self._issue_all_reduce(result, with_grad, post_divisor, issued, policy, ctx, fqn)
+            return
+        self._wait_reduce_scatter(result, issued)  # on an accelerator, compute waits
+        reduced = _finish_any_reduce_scatter(result)  # (sum of padded chunk numels,)
+        if not self.mesh_info.is_hsdp:
+            self._land(with_grad, reduced, post_divisor, ctx.streams)
+            return
+        for fsdp_param, chunk in zip(with_grad, self._split(reduced, with_grad), strict=True):
+            fsdp_param.accumulate_partial_grad(chunk)
+
+    def _wait_reduce_scatter(
+        self,
+        result: ReduceScatterResult | QuantizedReduceScatterResult,
+        issued: tuple[float, object | None],
+    ) -> None:
         wait_s, waited_event = time.perf_counter(), self._timing_event()
         if result.work is not None:
-            result.work.wait()  # on an accelerator, the compute stream waits
+            result.work.wait()
         self._record_comm(
             "reduce_scatter",
             result.input_nbytes,
@@ -239,28 +255,28 @@ class GradientReduction:
             phase="backward",
             device=DeviceTiming.of(issued[1], waited_event, self._timing_event),
         )
-        if not self.mesh_info.is_hsdp or not self.requires_all_reduce:
-            reduced = _finish_any_reduce_scatter(result)  # (sum of padded chunk numels,)
-            if not self.mesh_info.is_hsdp:
-                self._land(with_grad, reduced, post_divisor, ctx.streams)
-                return
-            for fsdp_param, chunk in zip(with_grad, self._split(reduced, with_grad), strict=True):
-                fsdp_param.accumulate_partial_grad(chunk)
-            return
+
+    def _issue_all_reduce(
+        self,
+        result: ReduceScatterResult | QuantizedReduceScatterResult,
+        with_grad: list[FSDPParam],
+        post_divisor: float,
+        issued: tuple[float, object | None],
+        policy: CommPrecisionPolicy | None,
+        ctx: CommContext,
+        fqn: str,
+    ) -> None:
+        """HSDP: once the reduce-scatter is done, issue the all-reduce over replicas on
+        its own stream; it is in flight while backward goes on, and the gradients land
+        when the scheduler finishes it (the bounded queue, or the end of backward)."""
         streams = ctx.streams
         with streams.on(StreamRole.ALL_REDUCE):
             # The all-reduce stream waits for the reduce-scatter, not for the compute
-            # queued since (a no-op on the host, which waited above).
-            if result.work is not None:
-                result.work.wait()
+            # queued since.
+            self._wait_reduce_scatter(result, issued)
+            reduced = _finish_any_reduce_scatter(result)
             pending = self._all_reduce_over_replicas(
-                dict(
-                    zip(
-                        with_grad,
-                        self._split(_finish_any_reduce_scatter(result), with_grad),
-                        strict=True,
-                    )
-                ),
+                dict(zip(with_grad, self._split(reduced, with_grad), strict=True)),
                 average=result.plan.average_in_all_reduce,
                 policy=policy,
                 check=ctx.check,
@@ -269,8 +285,6 @@ class GradientReduction:
         # Compute frees what the all-reduce stream read: the reduce-scatter's buffers and
         # the partial sums of micro-batches without all-reduce.
         streams.join(StreamRole.ALL_REDUCE)
-        # In flight while backward goes on; the gradients land when the scheduler
-        # finishes it (the bounded queue, or the end of backward).
         ctx.enqueue_all_reduce(
             lambda: self._land_all_reduced(pending, post_divisor, streams), pending.wait
         )
