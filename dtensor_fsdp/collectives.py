@@ -22,6 +22,7 @@ names two backends.
   after.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -117,6 +118,10 @@ def all_gather(
         all_gather_input: (shard_nbytes,) uint8, read in place (no copy-in).
         custom: a user ``AllGather`` (``set_custom_all_gather``) to allocate and run it.
     """
+    if group.size() == 1:
+        # One rank: the output is the input, as in torch's FSDP2, which issues nothing
+        # either (a custom all-gather included). The copy-out still copies.
+        return AllGatherResult(output=all_gather_input, work=None)
     size = (group.size() * all_gather_input.numel(),)
     device = all_gather_input.device
     if custom is not None:
@@ -222,6 +227,12 @@ def reduce_scatter(
     device = unsharded_grads[0].device
     reduce_input = torch.empty((world_size, shard_numel), dtype=reduce_dtype, device=device)
     torch._chunk_cat(unsharded_grads, dim=0, num_chunks=world_size, out=reduce_input)
+    nbytes = reduce_input.numel() * reduce_input.element_size()
+    if world_size == 1:
+        # One rank: its chunk is the whole buffer, and nothing is issued (as in torch's
+        # FSDP2, a custom reduce-scatter included).
+        local = dataclasses.replace(plan, use_all_to_all=False, custom=None)
+        return ReduceScatterResult(reduce_input, reduce_input.view(-1), None, local, nbytes)
     op = dist.ReduceOp.AVG if plan.average_in_reduce_scatter else dist.ReduceOp.SUM
     if plan.custom is not None:
         output = plan.custom.allocate((shard_numel,), dtype=reduce_dtype, device=device)
@@ -241,7 +252,7 @@ def reduce_scatter(
         output=output,
         work=work,
         plan=plan,
-        input_nbytes=reduce_input.numel() * reduce_input.element_size(),
+        input_nbytes=nbytes,
     )
 
 

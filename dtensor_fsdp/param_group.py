@@ -564,6 +564,8 @@ class FSDPParamGroup:
         if result is None:
             return None
         assert source is not None
+        if source.mesh_info.shard_size == 1:
+            return result  # nothing was issued (one rank)
         wait_s, waited_event = time.perf_counter(), self._timing_event()
         if result.work is not None:
             result.work.wait()  # on an accelerator, the compute stream waits

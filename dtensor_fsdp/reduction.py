@@ -95,7 +95,12 @@ class GradientReduction:
             policy is not None
             and policy.reduce_scatter is not None
             and (
-                replicate_leg or (not policy.replicate_only and self.custom_reduce_scatter is None)
+                replicate_leg
+                or (
+                    not policy.replicate_only
+                    and self.custom_reduce_scatter is None
+                    and self.mesh_info.shard_size > 1  # one rank: nothing on the wire
+                )
             )
             and fsdp_param.reduce_dtype.is_floating_point
             and policy.param_filter(fsdp_param.fqn, fsdp_param.sharded_param)
@@ -244,6 +249,8 @@ class GradientReduction:
         result: ReduceScatterResult | QuantizedReduceScatterResult,
         issued: tuple[float, object | None],
     ) -> None:
+        if result.work is None and self.mesh_info.shard_size == 1:
+            return  # nothing was issued (one rank)
         wait_s, waited_event = time.perf_counter(), self._timing_event()
         if result.work is not None:
             result.work.wait()
