@@ -3,23 +3,27 @@
     torchrun --nproc-per-node 2 benchmarks/bench_train.py                   # CPU + gloo
     torchrun --nproc-per-node 2 benchmarks/bench_train.py --model tiny --steps 10
     torchrun --nproc-per-node 8 benchmarks/bench_train.py --device cuda     # NCCL
+    torchrun --nproc-per-node 1 benchmarks/bench_train.py --device cuda \
+        --impls ours,torch,unsharded --profile prof/                      # issue 13
 
 The same Llama-style model (fp32, AdamW, same seed, same synthetic batches) is trained
-under three implementations:
+under four implementations:
 
 - ``ours``:  ``dtensor_fsdp.fully_shard`` on each block, then on the root;
 - ``torch``: ``torch.distributed.fsdp.fully_shard``, the same grouping;
-- ``ddp``:   ``torch.nn.parallel.DistributedDataParallel``.
+- ``ddp``:   ``torch.nn.parallel.DistributedDataParallel``;
+- ``unsharded``: the plain model, no wrapper and no communication: the compute floor.
+  At W > 1 each rank trains its own copy on its own batch (no gradient averaging).
 
 Both FSDPs run torchtitan's settings: ``reshard_after_forward=True`` for every block but
 the last, ``False`` for the last (backward needs it first, so resharding it would only
 gather it straight back) and the root's default (``None``: kept). No gradient clipping,
 so the only collectives in a step are data-parallel ones.
 
-Method, in three phases:
+Method, in four phases (the third optional):
 
-1. **Isolation** (memory and collectives), one implementation at a time, with the other
-   two never built: build the model and optimizer, run step 1 (lazy init, optimizer state
+1. **Isolation** (memory and collectives), one implementation at a time, with the
+   others never built: build the model and optimizer, run step 1 (lazy init, optimizer state
    allocation), measure memory over step 2, then record the collectives of step 3; then
    delete everything before the next implementation.
 
@@ -45,7 +49,7 @@ Method, in three phases:
    counted from its bucket layout (``_get_ddp_logging_data()["bucket_sizes"]``): one
    all-reduce per bucket, of all gradients in total.
 
-2. **Timing**: all three models are built, then ``--warmup`` + ``--steps`` rounds run;
+2. **Timing**: all the models are built, then ``--warmup`` + ``--steps`` rounds run;
    each round runs ``--block`` steps of every implementation, in an order that rotates
    every round (ours/torch/ddp, torch/ddp/ours, ...) so drift and cache effects spread
    evenly. A barrier precedes every timed step; a step's time is the slowest rank's
@@ -53,8 +57,13 @@ Method, in three phases:
    Every implementation sees the same batch at its n-th step, so their losses must
    agree; the largest difference from torch's loss is printed as a sanity check.
 
-3. **Report** on rank 0: a table, the analytic FSDP bytes bound, and a final
-   ``BENCH_JSON {...}`` line.
+3. **Profile** (``--profile DIR``, off by default): a few more steps of each
+   implementation alone under ``torch.profiler`` (CPU, and CUDA on CUDA); every rank
+   exports ``DIR/<impl>_rank<r>.json`` (Chrome trace; ``plot_timeline.py`` draws it) and,
+   for ours, its ``CommTrace`` as ``DIR/ours_commtrace_rank<r>.json``.
+
+4. **Report** on rank 0 (``_bench_report.py``): a table, the analytic FSDP bytes bound,
+   the ratios, and a final ``BENCH_JSON {...}`` line.
 
 "Ring wire bytes" is what each rank sends with a ring algorithm: (W-1)/W of the buffer
 for an all-gather, a reduce-scatter or an all-to-all, 2(W-1)/W for an all-reduce. On
@@ -71,9 +80,9 @@ import argparse
 import dataclasses
 import gc
 import importlib.util
+import itertools
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -81,11 +90,13 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from _bench_report import build_results, print_report  # same directory
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile, schedule
 from torch.utils._python_dispatch import TorchDispatchMode
 
 try:
@@ -103,10 +114,7 @@ except ImportError as _error:  # only while the core does not import: bench torc
 PRESETS, Llama, LlamaConfig = llama.PRESETS, llama.Llama, llama.LlamaConfig
 cross_entropy_loss = llama.cross_entropy_loss
 
-IMPLS = ("ours", "torch", "ddp")
-MiB = 2**20
-# dtensor_fsdp reduce-scatters by all-to-all plus a local sum on gloo (see its README).
-LABELS = {"all_to_all": "reduce_scatter (all_to_all)"}
+IMPLS = ("ours", "torch", "ddp", "unsharded")
 
 
 # Setup #
@@ -136,11 +144,19 @@ def parse_args() -> argparse.Namespace:
         metavar="PATH",
         help="rank 0 writes ours' CommTrace of the counted step here",
     )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after timing, profile --profile-steps more steps of each impl with "
+        "torch.profiler; every rank writes DIR/<impl>_rank<r>.json (Chrome trace) and "
+        "DIR/ours_commtrace_rank<r>.json",
+    )
+    parser.add_argument("--profile-steps", type=int, default=3, help="steps profiled per impl")
     args = parser.parse_args()
     impls = [name for name in args.impls.split(",") if name]
     if not impls or any(name not in IMPLS for name in impls):
         parser.error(f"--impls must be a comma-separated subset of {','.join(IMPLS)}")
-    for flag in ("steps", "block", "batch_size", "seq_len"):
+    for flag in ("steps", "block", "batch_size", "seq_len", "profile_steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     args.impls = impls
@@ -181,11 +197,13 @@ class Impl:
 def build_impl(
     name: str, config: LlamaConfig, mesh: DeviceMesh, device: torch.device, args: argparse.Namespace
 ) -> Impl:
-    """Same seed for every implementation, so all three start from identical weights."""
+    """Same seed for every implementation, so all start from identical weights."""
     torch.manual_seed(args.seed)
     with device:
         model = Llama(config)
-    if name == "ddp":
+    if name == "unsharded":
+        pass  # the plain model: each rank trains its own copy, nothing is communicated
+    elif name == "ddp":
         device_ids = [device.index] if device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids)
     else:
@@ -197,7 +215,7 @@ def build_impl(
             # The root's forward starts with the embedding, then block 0; block i's
             # forward is followed by block i + 1's.
             modules = [model, *model.layers]
-            for module, following in zip(modules, modules[1:]):
+            for module, following in itertools.pairwise(modules):
                 module.set_modules_to_forward_prefetch([following])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     return Impl(name, model, optimizer)
@@ -351,7 +369,8 @@ def summarize(records: list[tuple[str, int]], world: int) -> dict[str, dict[str,
 def count_comms(
     impl: Impl, config: LlamaConfig, args: argparse.Namespace, device: torch.device
 ) -> Isolated:
-    """One step under the c10d recorder (and ours' CommTrace); DDP from its buckets."""
+    """One step under the c10d recorder (and ours' CommTrace); DDP from its buckets.
+    The unsharded model goes through the recorder too: it must record nothing."""
     world = dist.get_world_size()
     if impl.name == "ddp":
         train_step(impl, config, args, device)
@@ -372,6 +391,8 @@ def count_comms(
         train_step(impl, config, args, device)
     sync(device)
     comms = summarize(recorder.records, world)
+    if impl.name == "unsharded" and comms:
+        raise AssertionError(f"the unsharded model communicated: {comms}")
     isolated = Isolated(0, 0, comms)
     if trace is not None:
         impl.model.set_comm_trace(None)
@@ -430,7 +451,53 @@ def time_rounds(
     return times, losses
 
 
-# Analysis and report #
+# Profile #
+
+
+def profile_impls(
+    impls: list[Impl], config: LlamaConfig, args: argparse.Namespace, device: torch.device
+) -> dict[str, Any]:
+    """Each impl alone for 1 + ``--profile-steps`` steps under ``torch.profiler``: the
+    first is the profiler's warm-up (CUPTI start-up), the others are recorded, each in a
+    ``ProfilerStep#n`` range. Every rank exports its traces to ``args.profile``; returns
+    ours' CommTrace summary per profiled step (exposed wait time of each collective)."""
+    os.makedirs(args.profile, exist_ok=True)
+    rank = dist.get_rank()
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    summary: dict[str, Any] = {}
+    for impl in impls:
+        trace = dtensor_fsdp.CommTrace() if impl.name == "ours" else None
+        if trace is not None:
+            impl.model.set_comm_trace(trace)
+        steps = schedule(wait=0, warmup=1, active=args.profile_steps, repeat=1)
+        with profile(activities=activities, record_shapes=False, schedule=steps) as prof:
+            for step in range(1 + args.profile_steps):
+                if step == 1 and trace is not None:
+                    trace.clear()  # keep the CommTrace to the recorded steps
+                dist.barrier()
+                train_step(impl, config, args, device)
+                sync(device)  # the step's kernels end inside its ProfilerStep range
+                prof.step()
+        prof.export_chrome_trace(os.path.join(args.profile, f"{impl.name}_rank{rank}.json"))
+        if trace is not None:
+            impl.model.set_comm_trace(None)
+            trace.export_chrome_trace(os.path.join(args.profile, f"ours_commtrace_rank{rank}.json"))
+            summary = trace.summary(steps=args.profile_steps)
+    return summary
+
+
+def print_profile_summary(args: argparse.Namespace, summary: dict[str, Any]) -> None:
+    print(f"\nprofiles of {args.profile_steps} steps per impl and rank in {args.profile}/")
+    for kind, entry in summary.items():
+        print(
+            f"  ours {kind}: {entry['count']:.0f} per step, exposed wait "
+            f"{entry['exposed_s'] * 1e3:.2f} ms per step (CommTrace)"
+        )
+
+
+# Analysis #
 
 
 def fsdp_group_bytes(config: LlamaConfig) -> tuple[list[int], int]:
@@ -458,129 +525,6 @@ def analytic_fsdp(config: LlamaConfig, world: int) -> dict[str, float]:
     }
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def comm_totals(comms: dict[str, dict[str, float]]) -> tuple[int, float, float]:
-    """(collectives, unsharded bytes, ring wire bytes) per step, over all kinds."""
-    kinds = [entry for kind, entry in comms.items() if kind != "broadcast"]
-    return (
-        int(sum(e["count"] for e in kinds)),
-        sum(e["nbytes"] for e in kinds),
-        sum(e["wire_bytes"] for e in kinds),
-    )
-
-
-def build_results(args, config, device, isolated, times, losses) -> dict[str, Any]:
-    world = dist.get_world_size()
-    results: dict[str, Any] = {
-        "model": args.model,
-        "config": dataclasses.asdict(config),
-        "world_size": world,
-        "device": device.type,
-        "backend": dist.get_backend(),
-        "torch": torch.__version__,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "block": args.block,
-        "batch_size": args.batch_size,
-        "seq_len": args.seq_len,
-        "analytic_fsdp": analytic_fsdp(config, world),
-        "impls": {},
-    }
-    for name, iso in isolated.items():
-        count, nbytes, wire = comm_totals(iso.comms)
-        gloo_wire = wire
-        if name == "torch" and dist.get_backend() == "gloo" and "reduce_scatter" in iso.comms:
-            gloo_wire += iso.comms["reduce_scatter"]["wire_bytes"]  # all-reduce + copy on gloo
-        step_times = times[name]
-        results["impls"][name] = {
-            "median_s": statistics.median(step_times),
-            "p10_s": percentile(step_times, 0.1),
-            "p90_s": percentile(step_times, 0.9),
-            "peak_bytes": iso.peak_bytes,
-            "live_at_step_bytes": iso.live_at_step_bytes,
-            "collectives": count,
-            "nbytes": nbytes,
-            "wire_bytes": wire,
-            "backend_wire_bytes": gloo_wire,
-            "comms": iso.comms,
-            "first_loss": losses[name][0],
-            "last_loss": losses[name][-1],
-            "ddp_bucket_sizes": iso.ddp_bucket_sizes,
-            "trace_summary": iso.trace_summary,
-        }
-    if "torch" in losses:
-        for name in losses:
-            diff = max(abs(a - b) for a, b in zip(losses[name], losses["torch"]))
-            results["impls"][name]["max_loss_diff_vs_torch"] = diff
-    return results
-
-
-def print_report(results: dict[str, Any]) -> None:
-    impls, analytic = results["impls"], results["analytic_fsdp"]
-    print(
-        f"\nmodel {results['model']} ({analytic['param_bytes'] / MiB:.1f} MiB params, "
-        f"{analytic['groups']} FSDP groups) | world {results['world_size']} | "
-        f"{results['device']}/{results['backend']} | torch {results['torch']} | batch "
-        f"{results['batch_size']}x{results['seq_len']} per rank | {results['steps']} timed "
-        f"rounds x {results['block']} after {results['warmup']} warmup"
-    )
-    header = (
-        f"{'impl':<6} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} {'peak MiB':>9} "
-        f"{'states MiB':>10} {'colls':>6} {'MiB/step':>9} {'wire MiB':>9} "
-        f"{'loss diff':>10}"
-    )
-    print(header + "\n" + "-" * len(header))
-    for name, r in impls.items():
-        print(
-            f"{name:<6} {r['median_s'] * 1e3:>10.1f} {r['p10_s'] * 1e3:>8.1f} "
-            f"{r['p90_s'] * 1e3:>8.1f} {r['peak_bytes'] / MiB:>9.1f} "
-            f"{r['live_at_step_bytes'] / MiB:>10.1f} {r['collectives']:>6} "
-            f"{r['nbytes'] / MiB:>9.2f} {r['wire_bytes'] / MiB:>9.2f} "
-            f"{r.get('max_loss_diff_vs_torch', float('nan')):>10.2e}"
-        )
-    for name, r in impls.items():
-        kinds = ", ".join(
-            f"{LABELS.get(k, k)} {int(v['count'])} x {v['nbytes'] / MiB:.2f} MiB"
-            for k, v in r["comms"].items()
-        )
-        extra = ""
-        if r["ddp_bucket_sizes"] is not None:
-            extra = f" (analytic from DDP's {len(r['ddp_bucket_sizes'])} buckets)"
-        if r["backend_wire_bytes"] != r["wire_bytes"]:
-            extra += (
-                f" (gloo reduce_scatter_tensor = all-reduce: real wire "
-                f"{r['backend_wire_bytes'] / MiB:.2f} MiB)"
-            )
-        print(f"  {name}: {kinds}{extra}")
-    print(
-        f"analytic FSDP per step: {analytic['all_gathers']} all-gathers + "
-        f"{analytic['reduce_scatters']} reduce-scatters, ring wire bound "
-        f"{analytic['wire_bytes_bound'] / MiB:.2f} MiB"
-    )
-    for name in ("ours", "torch"):
-        if name in impls:
-            ratio = impls[name]["wire_bytes"] / analytic["wire_bytes_bound"]
-            impls[name]["wire_vs_bound"] = ratio
-            print(f"  {name} ring wire / bound = {ratio:.4f}")
-    print_ratios(impls)
-
-
-def print_ratios(impls: dict[str, Any]) -> None:
-    if "ours" not in impls:
-        return
-    for other in ("torch", "ddp"):
-        if other in impls:
-            t = impls["ours"]["median_s"] / impls[other]["median_s"]
-            m = impls["ours"]["peak_bytes"] / impls[other]["peak_bytes"]
-            impls["ours"][f"time_ratio_vs_{other}"] = t
-            impls["ours"][f"peak_ratio_vs_{other}"] = m
-            print(f"ours/{other}: time {t:.3f}x, peak memory {m:.3f}x")
-
-
 def main() -> None:
     args = parse_args()
     if dtensor_fsdp is None:
@@ -597,9 +541,20 @@ def main() -> None:
         isolated = {name: run_isolated(name, mesh, config, args, device) for name in args.impls}
         impls = [build_impl(name, config, mesh, device, args) for name in args.impls]
         times, losses = time_rounds(impls, config, args, device)
+        profiled = profile_impls(impls, config, args, device) if args.profile else None
         if dist.get_rank() == 0:
-            results = build_results(args, config, device, isolated, times, losses)
+            run = {
+                "world_size": dist.get_world_size(),
+                "device": device.type,
+                "backend": dist.get_backend(),
+                "torch": torch.__version__,
+            }
+            analytic = analytic_fsdp(config, run["world_size"])
+            results = build_results(args, config, run, analytic, isolated, times, losses)
             print_report(results)
+            if profiled is not None:
+                print_profile_summary(args, profiled)
+                results["profile"] = {"dir": args.profile, "ours_comm_per_step": profiled}
             print("BENCH_JSON " + json.dumps(results), flush=True)
         del impls
     finally:
