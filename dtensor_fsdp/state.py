@@ -65,7 +65,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] | None = None  # None: implicit
         self.is_last_backward = True  # read on the root
-        self.max_in_flight_reduce_scatters = 2  # read on the root at lazy init
+        self.max_in_flight_reduce_scatters = 1  # torch's default; read at lazy init
         # set_divergence_check / set_nonfinite_grad_check, read on the root.
         self.divergence_check = False
         self.divergence_timeout: timedelta | None = None
@@ -97,7 +97,7 @@ class FSDPState:
                     f"{_describe(self.modules)} first (FSDP picks the root at the first forward)"
                 )
         assign_fqns(self.modules, states)
-        ctx = CommContext(self.max_in_flight_reduce_scatters)
+        ctx = CommContext(max_in_flight_reduce_scatters(states))
         ctx.check = self.collective_check(states)
         # Groups first: one that refuses (params still on meta) leaves no state rooted.
         for state in states:
@@ -311,6 +311,12 @@ def states_under(modules: tuple[nn.Module, ...]) -> list[FSDPState]:
             if state is not None and id(state) not in seen:
                 seen[id(state)] = state
     return list(seen.values())
+
+
+def max_in_flight_reduce_scatters(states: list[FSDPState]) -> int:
+    """The bound of a root's tree: the largest ``set_reduce_scatter_max_input_buffers``
+    over its groups, as torch resolves its per-group values (1 without any group)."""
+    return max((s.max_in_flight_reduce_scatters for s in states if s.group is not None), default=1)
 
 
 def assign_fqns(roots: tuple[nn.Module, ...], states: list[FSDPState]) -> None:
