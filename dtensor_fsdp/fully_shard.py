@@ -27,7 +27,7 @@ from .mesh import (
     post_forward_mesh_info,
 )
 from .param_group import FSDPParamGroup
-from .state import STATE_ATTR, FSDPState, assign_fqns, state_of
+from .state import STATE_ATTR, FSDPState, assign_fqns, max_in_flight_reduce_scatters, state_of
 from .state_dict import register_state_dict_hooks, validate_state_dict
 from .streams import streams_for
 from .trace import CommTrace
@@ -323,13 +323,47 @@ class FSDPModule:
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:
-        """How many reduce-scatters may be in flight before the oldest is waited on."""
+        """Sets how many gradient reduce-scatter input buffers may be in flight at once.
+
+        Each group's reduce-scatter input (its gradients, copied into one buffer) lives
+        until the reduce-scatter is waited. With ``k`` buffers, the oldest in flight is
+        waited before the next group allocates its own, so at most ``k`` exist at once
+        and a group's reduce-scatter may overlap the backward of the next ``k`` groups.
+        The default, ``1`` as in torch's FSDP2, overlaps each reduce-scatter with the
+        next group's backward; a larger value helps only when one reduce-scatter
+        outlasts the next group's whole backward, at the cost of one more group gradient
+        buffer per step of ``k`` (see benchmarks/README.md, ``bench_inflight.py``).
+
+        The whole root's tree uses the largest value set on any of its modules, as in
+        torch. Unlike torch, which reads it once at the first forward, a later call
+        also takes effect (from the next reduce-scatter).
+
+        Args:
+            max_input_buffers (int): reduce-scatter input buffers in flight, ``>= 1``.
+            recurse (bool): Whether to set for all FSDP submodules or just this one.
+
+        Raises:
+            TypeError: ``max_input_buffers`` is not an int (a bool included).
+            ValueError: ``max_input_buffers`` is below 1.
+        """
+        # bool is an int subclass: True must not silently mean 1.
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}: "
+                "pass the number of reduce-scatters in flight, e.g. 1 (the default)"
+            )
         if max_input_buffers < 1:
-            raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
+            raise ValueError(
+                f"max_input_buffers must be a positive int, got {max_input_buffers}: use 1 "
+                "(the default: wait for each reduce-scatter before the next is issued) or more"
+            )
         for state in self._fsdp_states(recurse):
             state.max_in_flight_reduce_scatters = max_input_buffers
-            if state.ctx is not None and state.is_root:
-                state.ctx.max_in_flight_reduce_scatters = max_input_buffers
+            root = state.root
+            if root is not None and root.ctx is not None:
+                root.ctx.max_in_flight_reduce_scatters = max_in_flight_reduce_scatters(
+                    root.states_in_tree
+                )
 
     def set_comm_trace(self, trace: CommTrace | None) -> None:
         """Record every collective and lifecycle step of this module's tree into

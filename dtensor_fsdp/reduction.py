@@ -122,6 +122,10 @@ class GradientReduction:
         with_grad = [p for p, grad in to_reduce if grad is not None]
         if not with_grad:
             return
+        # Wait for the oldest in flight before this group's buffer exists: at most
+        # max_in_flight_reduce_scatters of them at once (see [Note: reduce-scatters in
+        # flight]).
+        ctx.make_room_for_reduce_scatter()
         reduce_dtype = with_grad[0].reduce_dtype
         plan = ReductionPlan.choose(
             self.mesh_info.shard_group,

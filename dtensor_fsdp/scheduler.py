@@ -6,11 +6,13 @@ tree. It owns the cross-group decisions:
 - the post-forward order of this iteration, from which backward prefetch is derived
   (backward runs the groups in reverse, so while group i computes its backward, group
   i-1's all-gather is already in flight);
-- the queue of in-flight reduce-scatters, bounded so that overlap with the preceding
-  groups' backward never holds more than ``max_in_flight_reduce_scatters`` gradient
-  buffers at once; and HSDP's all-reduces over the replicate axis, issued as each
-  reduce-scatter finishes and waited only when the bound or the end of backward
-  needs their gradients (torch's FSDP2 runs them on their own stream);
+- the queue of in-flight reduce-scatters, bounded so that overlap with the following
+  groups' backward never holds more than ``max_in_flight_reduce_scatters`` reduce-scatter
+  input buffers at once, the one being issued included (torch's ``max_input_buffers``,
+  default 1: see [Note: reduce-scatters in flight]); and HSDP's all-reduces over the
+  replicate axis, issued as each reduce-scatter finishes and waited only when the bound
+  or the end of backward needs their gradients (torch's FSDP2 runs them on their own
+  stream);
 - whether this backward's final callback has been queued;
 - the streams (`CommStreams`, streams.py) the groups issue their collectives on: side
   streams on an accelerator, none on the host.
@@ -35,11 +37,24 @@ class Prefetchable(Protocol):
     def unshard(self, async_op: bool = False) -> None: ...
 
 
+# [Note: reduce-scatters in flight]
+# A group's reduce-scatter input (its gradients, copied into one (W, shard) buffer; on
+# gloo also the all-to-all's receive buffer of the same size) lives until the
+# reduce-scatter is waited. With k in flight, a group's reduce-scatter may overlap the
+# backward of the next k groups, and the oldest is waited *before* the next group's
+# buffer is allocated, so at most k buffers exist at once: torch's FSDP2 (``max_input_buffers``) bounds the
+# same buffers the same way. The default is torch's, 1: the previous group's
+# reduce-scatter overlaps this group's backward compute and is waited before this
+# group's is issued. A second slot costs one group's buffer and pays off only when one
+# reduce-scatter outlasts the next group's whole backward (benchmarks/bench_inflight.py
+# measured no gain on CPU/gloo; see benchmarks/README.md).
+
+
 class CommContext:
     """Shared per-root scheduling state. See the module docstring."""
 
     def __init__(
-        self, max_in_flight_reduce_scatters: int = 2, streams: CommStreams | None = None
+        self, max_in_flight_reduce_scatters: int = 1, streams: CommStreams | None = None
     ) -> None:
         if max_in_flight_reduce_scatters < 1:
             raise ValueError("max_in_flight_reduce_scatters must be >= 1")
@@ -104,13 +119,19 @@ class CommContext:
                 return [order[index - 1]]
         return []
 
+    def make_room_for_reduce_scatter(self) -> None:
+        """Before a group allocates its reduce-scatter input: finish the oldest
+        in-flight ones until one more fits the bound. See [Note: reduce-scatters in
+        flight]."""
+        while len(self._pending_reduce_scatters) >= self.max_in_flight_reduce_scatters:
+            self._pending_reduce_scatters.popleft()[0]()
+
     def enqueue_reduce_scatter(
         self, finish: Callable[[], None], abandon: Callable[[], None]
     ) -> None:
-        """Track an issued reduce-scatter; finish the oldest ones beyond the bound."""
+        """Track a reduce-scatter issued after ``make_room_for_reduce_scatter``."""
         self._pending_reduce_scatters.append((finish, abandon))
-        while len(self._pending_reduce_scatters) > self.max_in_flight_reduce_scatters:
-            self._pending_reduce_scatters.popleft()[0]()
+        assert len(self._pending_reduce_scatters) <= self.max_in_flight_reduce_scatters
 
     def enqueue_all_reduce(self, finish: Callable[[], None], abandon: Callable[[], None]) -> None:
         """Track an issued HSDP all-reduce; finish the oldest ones beyond the bound."""

@@ -65,7 +65,7 @@ class FSDPState:
         self.states_in_tree: list[FSDPState] = []  # the root's: every state under it
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] | None = None  # None: implicit
-        self.max_in_flight_reduce_scatters = 2  # read on the root at lazy init
+        self.max_in_flight_reduce_scatters = 1  # torch's default; read at lazy init
         # set_divergence_check / set_nonfinite_grad_check, read on the root.
         self.divergence_check = False
         self.divergence_timeout: timedelta | None = None
@@ -99,7 +99,7 @@ class FSDPState:
                 )
         assign_fqns(self.modules, states)
         ctx = CommContext(
-            self.max_in_flight_reduce_scatters, self.shared_streams or streams_for(self.device)
+            max_in_flight_reduce_scatters(states), self.shared_streams or streams_for(self.device)
         )
         ctx.check = self.collective_check(states)
         # Groups first: one that refuses (params still on meta) leaves no state rooted.
@@ -307,6 +307,12 @@ def states_under(modules: tuple[nn.Module, ...]) -> list[FSDPState]:
             if state is not None and id(state) not in seen:
                 seen[id(state)] = state
     return list(seen.values())
+
+
+def max_in_flight_reduce_scatters(states: list[FSDPState]) -> int:
+    """The bound of a root's tree: the largest ``set_reduce_scatter_max_input_buffers``
+    over its groups, as torch resolves its per-group values (1 without any group)."""
+    return max((s.max_in_flight_reduce_scatters for s in states if s.group is not None), default=1)
 
 
 def assign_fqns(roots: tuple[nn.Module, ...], states: list[FSDPState]) -> None:

@@ -316,12 +316,12 @@ all_gather     blocks.2 over 2    224 B  backward
 all_gather     blocks.1 over 2   1176 B  backward
 reduce_scatter blocks.2 over 2    224 B  backward
 all_gather     blocks.0 over 2   1360 B  backward
-reduce_scatter blocks.1 over 2   1176 B  backward
-reduce_scatter root     over 2    128 B  backward
 all_reduce     blocks.2 over 2    112 B  backward
-reduce_scatter blocks.0 over 2   1360 B  backward
+reduce_scatter blocks.1 over 2   1176 B  backward
 all_reduce     blocks.1 over 2    588 B  backward
+reduce_scatter root     over 2    128 B  backward
 all_reduce     root     over 2     64 B  backward
+reduce_scatter blocks.0 over 2   1360 B  backward
 all_reduce     blocks.0 over 2    680 B  backward""",
     )
 
@@ -350,12 +350,12 @@ all_gather     blocks.2 over 2    224 B  backward
 all_gather     blocks.1 over 2   1176 B  backward
 reduce_scatter blocks.2 over 2    224 B  backward
 all_gather     blocks.0 over 2   1360 B  backward
-reduce_scatter blocks.1 over 2   1176 B  backward
-reduce_scatter root     over 2    128 B  backward
 all_reduce     blocks.2 over 2    112 B  backward
-reduce_scatter blocks.0 over 2   1360 B  backward
+reduce_scatter blocks.1 over 2   1176 B  backward
 all_reduce     blocks.1 over 2    588 B  backward
+reduce_scatter root     over 2    128 B  backward
 all_reduce     root     over 2     64 B  backward
+reduce_scatter blocks.0 over 2   1360 B  backward
 all_reduce     blocks.0 over 2    680 B  backward""",
     )
 
@@ -363,11 +363,12 @@ all_reduce     blocks.0 over 2    680 B  backward""",
 def test_all_reduce_is_in_flight_while_the_next_group_computes(run):
     # Backward reduce-scatters blocks.2, blocks.1, the root, then blocks.0 (its input
     # needs no grad: its post-backward runs in the final callback). With one reduction
-    # in flight at a time, blocks.2's all-reduce is issued as blocks.1's reduce-scatter
-    # is enqueued and waited only after the next group's backward reduce-scattered the
-    # root; blocks.1's spans blocks.0's reduce-scatter. A synchronous all-reduce has
-    # nothing in between. The last two are waited at the end of backward.
+    # in flight at a time, blocks.2's reduce-scatter is waited (and its all-reduce
+    # issued) just before blocks.1's reduce-scatter is issued; that all-reduce is waited
+    # only when blocks.1's is issued, before the root's reduce-scatter: so each
+    # all-reduce spans the next group's reduce-scatter. A synchronous all-reduce has
+    # nothing in between. The last one is waited at the end of backward.
     for rank, events in enumerate(scenario_records(run, "all_reduce_overlap")):
         assert [fqn for fqn, *_ in events] == ["blocks.2", "blocks.1", "", "blocks.0"], rank
-        assert [between for *_, between in events] == [[""], ["blocks.0"], [], []], events
+        assert [between for *_, between in events] == [["blocks.1"], [""], ["blocks.0"], []], events
 

@@ -1,18 +1,22 @@
-"""Memory: unsharded storage freed on reshard, kept when asked, no growth across steps."""
+"""Memory: unsharded storage freed on reshard, kept when asked, no growth across steps,
+and as many reduce-scatter input buffers alive in backward as torch's."""
 
 import gc
+import itertools
 import weakref
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from dtensor_fsdp import fully_shard
-from tests._harness import run_distributed
+from dtensor_fsdp import CommTrace, fully_shard
+from tests._harness import run_distributed, run_scenarios, scenario_records
 
 
 def _model(mesh: Any, reshard_after_forward: bool) -> nn.Sequential:
@@ -162,3 +166,166 @@ def test_no_growth_in_live_memory_across_steps(record: dict[str, Any]) -> None:
     steady = live[1]
     assert sorted(live[-3:])[1] == steady, live
     assert max(live[1:]) <= steady * 1.01, live
+
+
+# Reduce-scatters in flight #
+#
+# set_reduce_scatter_max_input_buffers(k) bounds the reduce-scatter input buffers alive
+# at once (each group's gradients copied into one (W, shard) buffer), the one being
+# issued included: torch's FSDP2 keeps k of them (default 1), retained until the next
+# group's post-backward; ours waits the oldest before the next is allocated. Counted at
+# the c10d level: at each reduce-scatter issued (ours on gloo: an all-to-all), the
+# inputs of this step's reduce-scatters whose storage is still alive.
+
+# c10d op -> index of the argument that is the reduce-scatter's input
+_REDUCE_OPS = {
+    "alltoall_base_": 1,
+    "_reduce_scatter_base_": 1,
+    "reduce_scatter_tensor_coalesced_": 1,
+}
+_IN_FLIGHT_STEPS = 3
+
+
+class _ReduceInputs(TorchDispatchMode):
+    """Peak count and bytes of live reduce-scatter inputs, read at each issue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: list[tuple[weakref.ref, int]] = []
+        self.peak_count = self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        index = _REDUCE_OPS.get(func._opname) if func.namespace == "c10d" else None
+        if index is not None:
+            for tensor in args[index] if isinstance(args[index], list) else [args[index]]:
+                storage = tensor.untyped_storage()
+                self.inputs.append((weakref.ref(storage), storage.nbytes()))
+            live = [nbytes for ref, nbytes in self.inputs if ref() is not None]
+            self.peak_count = max(self.peak_count, len(live))
+            self.peak_bytes = max(self.peak_bytes, sum(live))
+        return func(*args, **(kwargs or {}))
+
+
+def _in_flight_model(mesh: Any, shard: Any) -> nn.Sequential:
+    """Five groups (four blocks of different sizes, then the root's head): five
+    reduce-scatters per backward, so a bound of 3 is reached."""
+    torch.manual_seed(0)
+    widths = [16, 32, 48, 32, 16]
+    layers: list[nn.Module] = []
+    for fan_in, fan_out in itertools.pairwise(widths):
+        layers += [shard(nn.Sequential(nn.Linear(fan_in, fan_out), nn.ReLU()), mesh=mesh)]
+    model = nn.Sequential(*layers, nn.Linear(16, 4))
+    return shard(model, mesh=mesh)
+
+
+def _in_flight(mesh: Any, shard: Any, setting: str) -> dict[str, Any]:
+    """One warm-up step (lazy init), then per step the peak live reduce-scatter inputs;
+    the least over the steps (gloo's worker thread may drop its reference to a
+    finished collective's buffers a moment after the wait returns; a bound that is too
+    loose shows in every step). For ours also the CommTrace's peak of reduce-scatters
+    issued and not yet waited, and the sharded grads."""
+    model = _in_flight_model(mesh, shard)
+    if setting.startswith("all_"):  # the whole tree
+        model.set_reduce_scatter_max_input_buffers(int(setting[4:]))
+    elif setting == "one_child_3":  # one group only: the tree takes the largest, as torch
+        model[1].set_reduce_scatter_max_input_buffers(3, recurse=False)
+    torch.manual_seed(dist.get_rank())
+    batch = torch.randn(4, 16)
+    model(batch).pow(2).sum().backward()
+    if setting == "after_lazy_init_2":
+        model.set_reduce_scatter_max_input_buffers(2)
+    trace = CommTrace() if shard is fully_shard else None
+    if trace is not None:
+        model.set_comm_trace(trace)
+    counts, nbytes = [], []
+    for _ in range(_IN_FLIGHT_STEPS):
+        model.zero_grad()
+        with _ReduceInputs() as inputs:
+            model(batch).pow(2).sum().backward()
+        counts.append(inputs.peak_count)
+        nbytes.append(inputs.peak_bytes)
+    out: dict[str, Any] = {"live_inputs": min(counts), "live_bytes": min(nbytes)}
+    if trace is not None:
+        scatters = [e for e in trace.events if e.kind == "reduce_scatter"]
+        out["outstanding"] = max(
+            sum(f.start_s <= e.start_s < f.end_s for f in scatters) for e in scatters
+        )
+        out["grads"] = [p.grad.to_local() for p in model.parameters()]
+    return out
+
+
+IN_FLIGHT_SETTINGS = ["default", "all_1", "all_2", "all_3", "one_child_3", "after_lazy_init_2"]
+
+
+def _in_flight_worker(rank: int, world_size: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    return run_scenarios(
+        {
+            f"{impl}_{setting}": (
+                lambda shard=shard, setting=setting: _in_flight(mesh, shard, setting)
+            )
+            for impl, shard in (("torch", torch_fully_shard), ("ours", fully_shard))
+            for setting in IN_FLIGHT_SETTINGS
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def in_flight() -> list[dict[str, Any]]:
+    return run_distributed(_in_flight_worker, 2)
+
+
+def _counts(in_flight: list, name: str) -> list[dict[str, int]]:
+    """Scenario ``name``'s counts on every rank (without the grads, for short messages)."""
+    return [
+        {key: value for key, value in record.items() if key != "grads"}
+        for record in scenario_records(in_flight, name)
+    ]
+
+
+def test_default_keeps_one_reduce_scatter_input_like_torch(in_flight: list) -> None:
+    # torch's default: one buffer, the group's own; the previous group's reduce-scatter
+    # is waited before it is allocated. A default of 2 in flight (or a bound that let
+    # k + 1 buffers coexist) holds two group gradient buffers here.
+    for rank, (theirs, ours) in enumerate(
+        zip(_counts(in_flight, "torch_default"), _counts(in_flight, "ours_default"))
+    ):
+        assert theirs["live_inputs"] == ours["live_inputs"] == 1, (rank, theirs, ours)
+        assert ours["live_bytes"] <= theirs["live_bytes"], (rank, theirs, ours)
+        assert ours["outstanding"] == 1, rank
+
+
+@pytest.mark.parametrize(
+    "setting, expected",
+    [("all_1", 1), ("all_2", 2), ("all_3", 3), ("one_child_3", 3)],
+)
+def test_max_input_buffers_bounds_live_inputs_like_torch(
+    in_flight: list, setting: str, expected: int
+) -> None:
+    # Same buffers alive as torch's at every bound (the same bytes: same grads, same
+    # padding), and never more reduce-scatters issued and not yet waited than the bound.
+    theirs = _counts(in_flight, f"torch_{setting}")
+    ours = _counts(in_flight, f"ours_{setting}")
+    for rank, (t, o) in enumerate(zip(theirs, ours)):
+        assert t["live_inputs"] == o["live_inputs"] == expected, (rank, t, o)
+        assert t["live_bytes"] == o["live_bytes"], (rank, t, o)
+        assert o["outstanding"] == expected, (rank, o)
+
+
+def test_max_input_buffers_set_after_the_first_forward(in_flight: list) -> None:
+    # torch reads the value once, at lazy init: a later call leaves it at 1. Ours
+    # applies it from the next reduce-scatter on (documented in the setter).
+    for t, o in zip(
+        _counts(in_flight, "torch_after_lazy_init_2"),
+        _counts(in_flight, "ours_after_lazy_init_2"),
+    ):
+        assert t["live_inputs"] == 1 and o["live_inputs"] == o["outstanding"] == 2, (t, o)
+
+
+@pytest.mark.parametrize("setting", IN_FLIGHT_SETTINGS[1:])
+def test_reduce_scatters_in_flight_change_no_gradient(in_flight: list, setting: str) -> None:
+    # Only when each reduce-scatter is waited changes: the same arithmetic, bitwise.
+    for default, other in zip(
+        scenario_records(in_flight, "ours_default"), scenario_records(in_flight, f"ours_{setting}")
+    ):
+        assert all(torch.equal(a, b) for a, b in zip(default["grads"], other["grads"], strict=True))

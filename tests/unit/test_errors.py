@@ -396,3 +396,25 @@ def test_share_comm_ctx_refuses_what_is_not_an_fsdp_module(which: str) -> None:
             share([root])
             with pytest.raises(ValueError, match="Expects list of FSDPModules"):
                 share([root, bad])
+
+
+# set_reduce_scatter_max_input_buffers #
+
+
+@pytest.mark.parametrize(
+    "bad, error, phrase",
+    [
+        (True, TypeError, "max_input_buffers must be an int, got bool"),
+        (2.0, TypeError, "max_input_buffers must be an int, got float"),
+        (0, ValueError, "max_input_buffers must be a positive int, got 0"),
+        (-1, ValueError, "max_input_buffers must be a positive int, got -1"),
+    ],
+)
+def test_reduce_scatter_max_input_buffers_refuses_what_torch_refuses(
+    bad: Any, error: type, phrase: str
+) -> None:
+    with fake_mesh(2) as mesh:
+        for impl in (torch_fully_shard, fully_shard):
+            root = impl(_mlp(), mesh=mesh)
+            with pytest.raises(error, match=phrase):
+                root.set_reduce_scatter_max_input_buffers(bad)
