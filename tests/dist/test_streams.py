@@ -20,6 +20,7 @@ on, with the same scheduling code:
 
 import contextlib
 import copy
+import inspect
 import json
 import math
 import time
@@ -38,7 +39,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import dtensor_fsdp.param_group as param_group_module
 from dtensor_fsdp import CommTrace, CPUOffloadPolicy
 from dtensor_fsdp.reduction import GradientReduction
-from dtensor_fsdp.streams import CommStreams, StreamRole
+from dtensor_fsdp.streams import CommStreams, DeviceStreams, StreamRole
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests.dist._mlp import mlp, shard_mlp
 from tests.dist._parity import local_pairs
@@ -172,6 +173,72 @@ class FakeTimingStreams(CommStreams):
         return FakeEvent()
 
 
+def _bind(function: Any, *args: Any, **kwargs: Any) -> None:
+    """Fail unless the call binds to ``function``'s signature (torch.cuda's API)."""
+    inspect.signature(function).bind(*args, **kwargs)
+
+
+class _FakeCudaStream:
+    def __init__(self, module: "_FakeCudaModule", name: str) -> None:
+        self.module, self.name = module, name
+
+    def wait_stream(self, stream: "_FakeCudaStream") -> None:
+        _bind(torch.cuda.Stream.wait_stream, self, stream)
+        self.module.calls.append(("wait_stream", self.name, stream.name))
+
+    def wait_event(self, event: Any) -> None:
+        _bind(torch.cuda.Stream.wait_event, self, event)
+        self.module.calls.append(("wait_event", self.name))
+
+    def record_event(self, event: Any = None) -> "_FakeCudaEvent":
+        _bind(torch.cuda.Stream.record_event, self, event)
+        return _FakeCudaEvent()
+
+
+class _FakeCudaEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        _bind(torch.cuda.Event.__new__, _FakeCudaEvent, enable_timing=enable_timing)
+
+    def record(self, stream: Any = None) -> None:
+        _bind(torch.cuda.Event.record, self, stream)
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end_event: "_FakeCudaEvent") -> float:
+        _bind(torch.cuda.Event.elapsed_time, self, end_event)
+        return 0.0
+
+
+class _FakeCudaModule:
+    """torch.cuda's stream API as DeviceStreams calls it: every call is checked against
+    torch.cuda's own signature and recorded; nothing is ordered (host semantics)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ...]] = []
+        self.current = _FakeCudaStream(self, "compute")
+        self.created = 0
+        self.Event = _FakeCudaEvent
+
+    def Stream(self, device: Any = None, priority: int = 0) -> _FakeCudaStream:
+        _bind(torch.cuda.Stream.__new__, torch.cuda.Stream, device=device, priority=priority)
+        self.created += 1
+        return _FakeCudaStream(self, f"side{self.created}")
+
+    def current_stream(self, device: Any = None) -> _FakeCudaStream:
+        _bind(torch.cuda.current_stream, device)
+        return self.current
+
+    @contextmanager
+    def stream(self, stream: _FakeCudaStream) -> Iterator[None]:
+        _bind(torch.cuda.stream, stream)
+        outer, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = outer
+
+
 # ---------------------------------------------------------------------------
 # Scenarios
 # ---------------------------------------------------------------------------
@@ -279,6 +346,33 @@ def _offload(rank: int, mesh: Any, wait_for_copies: bool) -> dict[str, Any]:
     return {"records": records, "deferred_copies": streams.deferred_copies}
 
 
+def _device_streams(rank: int, mesh: Any) -> dict[str, Any]:
+    """DeviceStreams itself, on a fake torch.cuda: a traced step calls only torch.cuda's
+    API, as torch.cuda spells it, and trains as torch's fully_shard does."""
+    module = _FakeCudaModule()
+    original = torch.get_device_module
+    torch.get_device_module = lambda device=None: module  # type: ignore[assignment]
+    try:
+        streams = DeviceStreams(torch.device("cpu"))
+    finally:
+        torch.get_device_module = original
+    base = mlp()
+    ours = shard_mlp(copy.deepcopy(base), mesh)
+    theirs = shard_mlp(copy.deepcopy(base), mesh, shard=torch_fully_shard)
+    _loss(ours, 0, rank).backward()
+    _loss(theirs, 0, rank).backward()
+    _root_ctx(ours).streams = streams
+    ours.set_comm_trace(CommTrace())
+    for model in (ours, theirs):
+        model.zero_grad()
+        _loss(model, 1, rank).backward()
+    return {
+        "calls": module.calls,
+        "created": module.created,
+        "grads": local_pairs(ours, theirs, grads=True),
+    }
+
+
 def _timing(rank: int, mesh: Any, tmp_dir: str) -> dict[str, Any]:
     model = shard_mlp(mlp(), mesh)
     _loss(model, 0, rank).backward()
@@ -320,6 +414,7 @@ def _run(rank: int, world_size: int, tmp_dir: str) -> dict[str, Any]:
             "offload": lambda: _offload(rank, pairs, wait_for_copies=True),
             "offload_race": lambda: _offload(rank, pairs, wait_for_copies=False),
             "timing": lambda: _timing(rank, pairs, tmp_dir),
+            "device_streams": lambda: _device_streams(rank, pairs),
         }
     )
 
@@ -444,3 +539,13 @@ def test_trace_reports_device_stalls_with_timing_events(run) -> None:
             n for pid, n in chrome if pid == 1
         )
         assert len(chrome) == 2 * len(events)
+
+
+def test_device_streams_call_torch_cudas_api(run) -> None:
+    for rank, rec in enumerate(scenario_records(run, "device_streams")):
+        assert rec["created"] == 2  # the all-gather and all-reduce streams
+        calls = rec["calls"]
+        # The root's pre-forward, then one wait after each of the 5 copy-outs: always
+        # the all-gather stream (side1) waiting for compute.
+        assert calls == [("wait_stream", "side1", "compute")] * 6, calls
+        _assert_equal_pairs(rec["grads"], f"rank {rank} grad")
