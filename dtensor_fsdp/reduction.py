@@ -185,9 +185,11 @@ class GradientReduction:
         # The grads now live in the reduce-scatter input: free the unsharded ones.
         for fsdp_param in with_grad:
             fsdp_param.clear_unsharded_grad()
-        issued = (issued_s, issued_event)
+        issued = IssuedReduceScatter(
+            result, with_grad, post_divisor, policy, fqn, issued_s, issued_event
+        )
         ctx.enqueue_reduce_scatter(
-            lambda: self._finish(result, with_grad, post_divisor, issued, policy, ctx, fqn),
+            lambda: self._finish(issued, ctx),
             lambda: result.work.wait() if result.work is not None else None,
         )
 
@@ -227,32 +229,22 @@ class GradientReduction:
             pre_divisor *= 2
         return float(pre_divisor), divisor / pre_divisor
 
-    def _finish(
-        self,
-        result: ReduceScatterResult | QuantizedReduceScatterResult,
-        with_grad: list[FSDPParam],
-        post_divisor: float,
-        issued: tuple[float, object | None],
-        policy: CommPrecisionPolicy | None,
-        ctx: CommContext,
-        fqn: str,
-    ) -> None:
+    def _finish(self, issued: "IssuedReduceScatter", ctx: CommContext) -> None:
         if self.mesh_info.is_hsdp and self.requires_all_reduce:
-            self._issue_all_reduce(result, with_grad, post_divisor, issued, policy, ctx, fqn)
+            self._issue_all_reduce(issued, ctx)
             return
-        self._wait_reduce_scatter(result, issued)  # on an accelerator, compute waits
-        reduced = _finish_any_reduce_scatter(result)  # (sum of padded chunk numels,)
+        self._wait_reduce_scatter(issued)  # on an accelerator, compute waits
+        reduced = _finish_any_reduce_scatter(issued.result)  # (sum of padded chunk numels,)
         if not self.mesh_info.is_hsdp:
-            self._land(with_grad, reduced, post_divisor, ctx.streams)
+            self._land(issued.params, reduced, issued.post_divisor, ctx.streams)
             return
-        for fsdp_param, chunk in zip(with_grad, self._split(reduced, with_grad), strict=True):
+        for fsdp_param, chunk in zip(
+            issued.params, self._split(reduced, issued.params), strict=True
+        ):
             fsdp_param.accumulate_partial_grad(chunk)
 
-    def _wait_reduce_scatter(
-        self,
-        result: ReduceScatterResult | QuantizedReduceScatterResult,
-        issued: tuple[float, object | None],
-    ) -> None:
+    def _wait_reduce_scatter(self, issued: "IssuedReduceScatter") -> None:
+        result = issued.result
         if result.work is None and self.mesh_info.shard_size == 1:
             return  # nothing was issued (one rank)
         wait_s, waited_event = time.perf_counter(), self._timing_event()
@@ -261,22 +253,13 @@ class GradientReduction:
         self._record_comm(
             "reduce_scatter",
             result.input_nbytes,
-            issued[0],
+            issued.issued_s,
             wait_s,
             phase="backward",
-            device=DeviceTiming.of(issued[1], waited_event, self._timing_event),
+            device=DeviceTiming.of(issued.issued_event, waited_event, self._timing_event),
         )
 
-    def _issue_all_reduce(
-        self,
-        result: ReduceScatterResult | QuantizedReduceScatterResult,
-        with_grad: list[FSDPParam],
-        post_divisor: float,
-        issued: tuple[float, object | None],
-        policy: CommPrecisionPolicy | None,
-        ctx: CommContext,
-        fqn: str,
-    ) -> None:
+    def _issue_all_reduce(self, issued: "IssuedReduceScatter", ctx: CommContext) -> None:
         """HSDP: once the reduce-scatter is done, issue the all-reduce over replicas on
         its own stream; it is in flight while backward goes on, and the gradients land
         when the scheduler finishes it (the bounded queue, or the end of backward)."""
@@ -284,20 +267,20 @@ class GradientReduction:
         with streams.on(StreamRole.ALL_REDUCE):
             # The all-reduce stream waits for the reduce-scatter, not for the compute
             # queued since.
-            self._wait_reduce_scatter(result, issued)
-            reduced = _finish_any_reduce_scatter(result)
+            self._wait_reduce_scatter(issued)
+            reduced = _finish_any_reduce_scatter(issued.result)
             pending = self._all_reduce_over_replicas(
-                dict(zip(with_grad, self._split(reduced, with_grad), strict=True)),
-                average=result.plan.average_in_all_reduce,
-                policy=policy,
+                dict(zip(issued.params, self._split(reduced, issued.params), strict=True)),
+                average=issued.result.plan.average_in_all_reduce,
+                policy=issued.policy,
                 check=ctx.check,
-                fqn=fqn,
+                fqn=issued.fqn,
             )
         # Compute frees what the all-reduce stream read: the reduce-scatter's buffers and
         # the partial sums of micro-batches without all-reduce.
         streams.join(StreamRole.ALL_REDUCE)
         ctx.enqueue_all_reduce(
-            lambda: self._land_all_reduced(pending, post_divisor, streams), pending.wait
+            lambda: self._land_all_reduced(pending, issued.post_divisor, streams), pending.wait
         )
 
     def _land_all_reduced(
@@ -416,6 +399,19 @@ class GradientReduction:
             [next(quantized_iter) if q else next(exact_iter) for q in pending.is_quantized]
         )  # (sum of padded chunk numels,)
         return pending.params, flat
+
+
+@dataclasses.dataclass(frozen=True)
+class IssuedReduceScatter:
+    """One group's reduce-scatter in flight, and what finishing it needs."""
+
+    result: ReduceScatterResult | QuantizedReduceScatterResult
+    params: list[FSDPParam]  # those with a gradient, in the reduced buffer's order
+    post_divisor: float
+    policy: CommPrecisionPolicy | None  # read once: the whole reduction follows it
+    fqn: str  # the group's, for the checks' messages
+    issued_s: float
+    issued_event: object | None  # device timing, when tracing on an accelerator
 
 
 @dataclasses.dataclass(frozen=True)
