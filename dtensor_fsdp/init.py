@@ -1,25 +1,46 @@
-"""init_unsharded: initialize a sharded model exactly as the unsharded model would be.
+"""init_unsharded: initialize a sharded model exactly as the unsharded model would be,
+with a bounded number of full bytes.
 
 The meta-device recipe is: build on ``meta``, ``fully_shard``, ``to_empty(device=...)``,
 then initialize. Initializing the sharded DTensors directly draws different random
 numbers than an eager model would (each rank fills its own shard from its own
 generator), so losses and checkpoints would not match an unsharded run. Inside
-``init_unsharded`` every managed parameter is a temporary *full* tensor in its original
-dtype, so any init code (``init_weights()``, ``reset_parameters()``) consumes the
-random stream exactly as it would on the unsharded model; on exit each rank keeps only
-its shard. It costs one full copy of the parameters per rank while it lasts.
+``init_unsharded`` every managed parameter is a *full* parameter in its original dtype,
+so any init code (``init_weights()``, ``reset_parameters()``, ``model.apply(...)``)
+consumes the random stream exactly as it would on the unsharded model; on exit each
+rank keeps only its shard.
+
+Memory: the full parameters are lazy (_lazy_init.py, [Note: lazy full parameters]).
+One is materialized when init code first uses it, and the least recently used ones are
+written back to their shards once the materialized ones would exceed a budget: by
+default the largest group's full bytes, so init needs one group's worth of full
+tensors on top of the sharded model, however many groups there are, instead of the
+whole model. The cost: a parameter used again after it was written back is all-gathered
+from the shards (one collective, straight into its full tensor; gloo stages the output
+in a temporary of the same size), e.g. in a second init pass over all the blocks after
+the first, as GPT-2's scaled residual projections. ``max_unsharded_bytes`` raises the
+budget (no re-gathers when it holds the whole model) or lowers it to single parameters.
+
+Tensor-parallel parameters (DTensors on a TP mesh) and parameters with an all-gather
+extension stay eager: their full tensor is registered for the whole context and is not
+counted in the budget.
 """
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch.nn as nn
+from torch import nn
 
+from ._lazy_init import InitCache, LazyEntry, LazyFullTensor
+from .param import FSDPParam
+from .param_group import FSDPParamGroup
 from .state import states_under
 
 
 @contextmanager
-def init_unsharded(module: nn.Module) -> Iterator[None]:
+def init_unsharded(
+    module: nn.Module, *, max_unsharded_bytes: int | None = None
+) -> Iterator[InitCache]:
     """Register full parameters on ``module``'s FSDP groups for initialization.
 
     Example::
@@ -33,13 +54,33 @@ def init_unsharded(module: nn.Module) -> Iterator[None]:
         with init_unsharded(model):
             model.init_weights()  # the same values as on an eager model
 
+    Inside the context each managed parameter is an ``nn.Parameter`` of a lazy full
+    tensor: the first op on it materializes it, in-place ops return it, views and
+    other results are plain tensors to use at once (see [Note: lazy full parameters]).
+    At most ``max_unsharded_bytes`` of them are materialized at a time; a parameter
+    used again after it was written back to its shards is all-gathered (every rank must
+    run the same init code in the same order, as for eager init). Tensor-parallel and
+    all-gather-extension parameters are full tensors for the whole context.
+
     Args:
         module: a module whose subtree contains ``fully_shard`` modules, all resharded
             (as after ``fully_shard`` or ``to_empty``).
+        max_unsharded_bytes: the most full bytes materialized at once (the same on every
+            rank); None: the largest group's full bytes. One op on several parameters
+            may exceed it while it runs.
+
+    Yields:
+        The ``InitCache``: ``peak_bytes``, ``all_gathers`` and the other counters.
 
     Raises:
-        RuntimeError: a group is unsharded, or its parameters are still on ``meta``.
+        RuntimeError: the parameters of a group are still on ``meta``.
+        ValueError: ``max_unsharded_bytes`` is negative; inside the context, ``param.data``
+            is assigned a tensor of another shape, dtype or device.
     """
+    if max_unsharded_bytes is not None and max_unsharded_bytes < 0:
+        raise ValueError(
+            f"init_unsharded: max_unsharded_bytes must be >= 0, got {max_unsharded_bytes}"
+        )
     groups = [s.group for s in states_under((module,)) if s.group is not None]
     for group in groups:
         if group.sharded_buffer.device.type == "meta":
@@ -48,9 +89,43 @@ def init_unsharded(module: nn.Module) -> Iterator[None]:
                 "device; call module.to_empty(device=...) first"
             )
         group.reshard()
-    full = [(p, p.register_full_for_init()) for group in groups for p in group.fsdp_params]
+    lazy = [p for group in groups for p in group.fsdp_params if _is_lazy(p)]
+    eager = [p for group in groups for p in group.fsdp_params if not _is_lazy(p)]
+    cache = InitCache(
+        max_unsharded_bytes if max_unsharded_bytes is not None else _largest_group_bytes(groups),
+        eager_bytes=sum(_full_nbytes(p) for p in eager),
+    )
+    # Messages name parameters by their path from `module` (FSDPParam.fqn is set at the
+    # root's lazy init, which may not have run yet).
+    names = {id(p): n for n, p in module.named_parameters()}
+    full: list[tuple[FSDPParam, nn.Parameter]] = []
     try:
-        yield
+        full.extend((p, p.register_full_for_init()) for p in eager)
+        for p in lazy:
+            entry = LazyEntry(p, cache, names.get(id(p.sharded_param), p.fqn))
+            p.register_for_init(nn.Parameter(LazyFullTensor(entry), p.requires_grad))
+        yield cache
     finally:
-        for fsdp_param, param in full:
-            fsdp_param.write_back_from_init(param)
+        try:
+            cache.close()  # writes back the materialized lazy parameters
+            for fsdp_param, param in full:
+                fsdp_param.write_back_from_init(param)
+        finally:
+            for fsdp_param in lazy + eager:
+                fsdp_param.register_for_init(None)
+
+
+def _is_lazy(fsdp_param: FSDPParam) -> bool:
+    """Plain parameters are lazy; TP (a DTensor unsharded param) and all-gather
+    extensions keep the eager full tensor."""
+    return fsdp_param.layout.unsharded_mesh is None and fsdp_param.extension is None
+
+
+def _full_nbytes(fsdp_param: FSDPParam) -> int:
+    return fsdp_param.shape.numel() * fsdp_param.dtype.itemsize
+
+
+def _largest_group_bytes(groups: list[FSDPParamGroup]) -> int:
+    return max(
+        (sum(_full_nbytes(p) for p in g.fsdp_params if _is_lazy(p)) for g in groups), default=0
+    )

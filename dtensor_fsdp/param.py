@@ -39,13 +39,18 @@ from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
-import torch.nn as nn
+import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from ._tensor_utils import ShardGeometry, alloc_storage, contiguous_stride, free_storage
 from .api import MixedPrecisionPolicy
 from .extension import AllGatherExtension, has_all_gather_extension
 from .mesh import MeshInfo, SpmdLayout
+
+# torch 2.13 renamed the single-tensor all-gather and deprecated the old name; 2.11 has
+# only the old one. Same signature either way.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ShardedState(Enum):
@@ -530,21 +535,50 @@ class FSDPParam:
             return 0
         return self.padded_shard_numel * local.dtype.itemsize
 
+    @property
+    def init_device(self) -> torch.device:
+        """Where ``init_unsharded`` puts this parameter's full tensor: with the sharded
+        param (on the CPU under CPU offload)."""
+        return self._padded_shard.device
+
+    def full_for_init(self, gathered: bool) -> torch.Tensor:
+        """A plain full tensor of this parameter in its original dtype, for init code:
+        uninitialized, or with ``gathered`` all-gathered from every rank's shard (a
+        collective over the shard group that every rank must join)."""
+        if not gathered:
+            return torch.empty(self.shape, dtype=self.dtype, device=self.init_device)
+        geometry = self.geometry
+        # Copies only under CPU offload: the collective runs on the mesh's device.
+        shard = self._padded_shard.to(self.compute_device)  # (*padded_local_shape)
+        rows = shard.new_empty((geometry.world_size, *geometry.padded_local_shape))
+        # 1-D on both sides: gloo checks the shapes.
+        _all_gather_single(rows.view(-1), shard.reshape(-1), group=self.mesh_info.shard_group)
+        if geometry.dim == 0:  # W padded chunks back to back: the first rows are it
+            full = rows.view(geometry.padded_unsharded_shape)[: self.shape[0]]  # (*shape)
+        else:  # (*shape[:dim], W, shape[dim] / W, ...) -> (*shape): concat along dim
+            full = rows.movedim(0, geometry.dim).reshape(self.shape)
+        return full.to(self.init_device)
+
     def register_full_for_init(self) -> nn.Parameter:
         """Register a temporary full parameter in the original dtype, for init code to
-        fill exactly as it would fill the unsharded model."""
-        full = torch.empty(self.shape, dtype=self.dtype, device=self._padded_shard.device)
+        fill exactly as it would fill the unsharded model (the eager path of
+        ``init_unsharded``, for tensor-parallel and all-gather-extension params)."""
+        full = self.full_for_init(gathered=False)
         param = nn.Parameter(self._as_unsharded(full), requires_grad=self.requires_grad)
         self._register(param)
         return param
 
-    def write_back_from_init(self, full: nn.Parameter) -> None:
-        """Keep this rank's chunk of the initialized full parameter; register the
-        sharded param again."""
+    def register_for_init(self, param: nn.Parameter | None) -> None:
+        """Register ``param`` (``init_unsharded``'s lazy full parameter) in every slot,
+        or, with None, the sharded param again."""
+        self._register(self.sharded_param if param is None else param)
+
+    def write_back_from_init(self, full: torch.Tensor) -> None:
+        """Keep this rank's chunk of the initialized full parameter (a plain tensor or,
+        for TP, a DTensor) in the sharded param."""
         data = full.to_local() if isinstance(full, DTensor) else full
         with torch.no_grad():
             self._sharded_local.copy_(self.geometry.local_chunk(data.detach()))
-        self._register(self.sharded_param)
 
     # State dicts #
 
