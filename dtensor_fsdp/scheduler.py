@@ -42,8 +42,9 @@ class Prefetchable(Protocol):
 # gloo also the all-to-all's receive buffer of the same size) lives until the
 # reduce-scatter is waited. With k in flight, a group's reduce-scatter may overlap the
 # backward of the next k groups, and the oldest is waited *before* the next group's
-# buffer is allocated, so at most k buffers exist at once: torch's FSDP2 (``max_input_buffers``) bounds the
-# same buffers the same way. The default is torch's, 1: the previous group's
+# buffer is allocated, so at most k buffers exist at once: torch's FSDP2
+# (``max_input_buffers``) bounds the same buffers the same way. The default is torch's,
+# 1: the previous group's
 # reduce-scatter overlaps this group's backward compute and is waited before this
 # group's is issued. A second slot costs one group's buffer and pays off only when one
 # reduce-scatter outlasts the next group's whole backward (benchmarks/bench_inflight.py

@@ -146,12 +146,11 @@ class CommTrace:
                 _chrome_record(event, 0, event.start_s - origin, event.end_s - origin)
                 for event in self.events
             ]
-        timed = [event for event in self.events if event.device is not None]
+        timed = [(e, e.device) for e in self.events if e.device is not None]
         if timed:
-            device_origin = min(timed, key=lambda e: e.start_s).device.issued  # type: ignore[union-attr]
+            device_origin = min(timed, key=lambda pair: pair[0].start_s)[1].issued
             records += [
-                _chrome_record(event, 1, *event.device.span_s(device_origin))  # type: ignore[union-attr]
-                for event in timed
+                _chrome_record(event, 1, *device.span_s(device_origin)) for event, device in timed
             ]
         with open(path, "w") as f:
             json.dump({"traceEvents": records}, f)
