@@ -26,9 +26,9 @@ backing tensor. Touching an evicted parameter again re-materializes it from the 
 params of every rank (one all-gather over the shard group), so the values written
 before survive. A parameter first touched starts uninitialized (``torch.empty``), as
 after ``to_empty``: init code that writes only part of it (``p[0].zero_()``) leaves the
-rest as an eager model's uninitialized memory would be. Every rank runs the same init code in the same order and the budget
-depends only on global shapes, so the ranks evict and all-gather the same parameters at
-the same points and the collectives match. On exit every materialized parameter is
+rest as an eager model's uninitialized memory would be. Every rank runs the same init
+code in the same order and the budget depends only on global shapes, so the ranks evict
+and all-gather the same parameters at the same points and the collectives match. On exit every materialized parameter is
 written back.
 
 The unit is one parameter, not one group: touching one parameter costs its own bytes

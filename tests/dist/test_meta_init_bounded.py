@@ -23,8 +23,9 @@ from torch.distributed.tensor import Shard
 from torch.profiler import ProfilerActivity, profile
 
 from dtensor_fsdp import fully_shard, init_unsharded
-from dtensor_fsdp.models.llama import Llama, LlamaConfig
+from dtensor_fsdp.models.llama import Llama
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests.dist.test_meta_init import _config
 
 WORLD_SIZE = 2
 INIT_SEED = 1
@@ -32,22 +33,9 @@ HUGE = 1 << 60  # max_unsharded_bytes: every parameter at once (the old behaviou
 BUDGETS = {"default": None, "zero": 0, "huge": HUGE}
 
 
-def _config() -> LlamaConfig:
-    # 97 vocabulary rows are uneven over 2 ranks: the last shard is padded.
-    return LlamaConfig(
-        vocab_size=97,
-        dim=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_hidden_dim=88,
-        max_seq_len=16,
-    )
-
-
 def _meta_llama(mesh: Any) -> Llama:
     with torch.device("meta"):
-        model = Llama(_config())
+        model = Llama(_config(tie=False))
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -102,7 +90,7 @@ def _second_pass(model: Llama) -> None:
 
 def _llama_second_pass(mesh: Any, budget: int | None) -> dict[str, Any]:
     torch.manual_seed(0)
-    eager = Llama(_config())
+    eager = Llama(_config(tie=False))
     torch.manual_seed(INIT_SEED)
     _second_pass(eager)
     model = _meta_llama(mesh)
