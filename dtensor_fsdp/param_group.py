@@ -329,7 +329,7 @@ class FSDPParamGroup:
         streams, role = self._streams(), self._all_gather_role()
         # ``param.data = ...`` since the last all-gather: the new sharded buffer is
         # filled on the compute stream.
-        if self._post_forward_buffer is None and self.reset_sharded_params() and role:
+        if self._post_forward_buffer is None and self.reset_sharded_params() and role is not None:
             streams.wait_for_compute(role)
         if role is not None:
             streams.wait_for_event(role, self._post_forward_event)

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from dtensor_fsdp import fully_shard, init_unsharded
 from dtensor_fsdp.models.llama import Llama
 from tests._harness import run_distributed, run_scenarios, scenario_records
-from tests.dist.test_meta_init import _config
+from tests.dist.test_meta_init import _config, _meta_llama, _stats
 
 WORLD_SIZE = 2
 INIT_SEED = 1
@@ -33,26 +33,11 @@ HUGE = 1 << 60  # max_unsharded_bytes: every parameter at once (the old behaviou
 BUDGETS = {"default": None, "zero": 0, "huge": HUGE}
 
 
-def _meta_llama(mesh: Any) -> Llama:
-    with torch.device("meta"):
-        model = Llama(_config(tie=False))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    return model
-
-
 def _not_equal(model: nn.Module, eager: nn.Module) -> list[str]:
     eager_params = dict(eager.named_parameters())
     return [
         n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), eager_params[n])
     ]
-
-
-def _stats(cache: Any) -> dict[str, int]:
-    keys = ("budget_bytes", "peak_bytes", "all_gathers", "live_bytes")
-    return {k: getattr(cache, k) for k in keys}
 
 
 def _peak_allocated_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
