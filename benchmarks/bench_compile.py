@@ -382,7 +382,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=2, help="matrix: rows per rank")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time", action="store_true", help="compiled vs eager step times")
-    parser.add_argument("--time-steps", type=int, default=10, help="--time: timed rounds")
+    parser.add_argument("--time-steps", type=int, default=20, help="--time: timed rounds")
     parser.add_argument("--time-seq-len", type=int, default=128)
     parser.add_argument("--time-batch-size", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=300.0,

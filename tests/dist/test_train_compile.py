@@ -115,11 +115,6 @@ def test_torch_reference_compiles_without_graph_breaks(run, label: str) -> None:
         assert rec["graph_breaks"] == 0, f"rank {rank}: {rec['graph_breaks']} graph breaks"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 19: dynamo traces into dtensor_fsdp's hooks; remove this mark when the "
-    "fix (branch compile) lands",
-)
 @pytest.mark.parametrize("label", ["plain", "ac"])
 def test_ours_matches_torch_bitwise(run, label: str) -> None:
     reference = scenario_records(run, f"torch_{label}")
