@@ -11,6 +11,7 @@ Launch with torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE:
     torchrun --nproc-per-node 2 train.py --checkpoint-dir ckpt --checkpoint-every 10
     torchrun --nproc-per-node 4 train.py --checkpoint-dir ckpt --resume --batch-size 4
     torchrun --nproc-per-node 2 train.py --optimizer muon  # Muon on the blocks' matrices
+    torchrun --nproc-per-node 2 train.py --compile         # each block torch.compile-d
 
 Parallelism: the world is a mesh of ``replicate x shard x tp`` ranks, where
 ``shard = world / (replicate * tp)``; axes of size 1 are left out of the mesh:
@@ -127,6 +128,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--activation-checkpointing",
         action="store_true",
         help="recompute each block's activations in backward",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each block (inductor, fullgraph) before sharding, as torchtitan "
+        "does; after activation checkpointing if that is on",
     )
     parser.add_argument(
         "--meta-init", action="store_true", help="build on the meta device, init after sharding"
@@ -281,6 +288,8 @@ def build_model(
     if args.activation_checkpointing:
         for block in model.layers:
             checkpoint_forward(block)
+    if args.compile:
+        compile_blocks(model)
     mp_policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if args.mixed_precision == "bf16"
@@ -321,6 +330,16 @@ def checkpoint_forward(block: torch.nn.Module) -> None:
         return checkpoint(body, self, *args, use_reentrant=False)
 
     block.forward = types.MethodType(forward, block)
+
+
+def compile_blocks(model: Llama) -> None:
+    """torchtitan's ``apply_compile``: each block's ``__call__`` runs compiled
+    (``nn.Module.compile``: the module stays in ``model.layers``, so parameter names do
+    not change), one full graph per block, which FSDP's hooks stay out of. Called
+    before ``fully_shard`` and after activation checkpointing (the checkpointed forward
+    is traced as one region)."""
+    for block in model.layers:
+        block.compile(backend="inductor", fullgraph=True)
 
 
 def synthetic_batch(

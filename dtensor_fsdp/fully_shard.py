@@ -170,7 +170,22 @@ def fully_shard(
         m.__class__ = _fsdp_class(type(m))
     state.register_hooks()
     register_state_dict_hooks(state)
+    mark_managed_modules(plan.managed_modules)
     return module
+
+
+def mark_managed_modules(modules: tuple[nn.Module, ...]) -> None:
+    """Put torch's FSDP marks on every module this call manages, as torch's fully_shard.
+
+    Others read them as the facts they state: dynamo treats a marked module's
+    parameters as graph inputs without guarding on them (FSDP swaps sharded and
+    unsharded parameters between calls; torch/_dynamo/variables/builder.py), and
+    Hugging Face's ``generate()`` keeps the ranks stepping together
+    (``transformers.integrations.fsdp.is_fsdp_managed_module``).
+    """
+    for module in modules:
+        module._is_fsdp_managed_module = True  # type: ignore[assignment]
+        module._fsdp_use_orig_params = True  # type: ignore[assignment]
 
 
 @functools.cache
@@ -560,8 +575,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     original = getattr(type(module), method_name)
 
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state.pre_forward(self, args, kwargs)
-        return state.post_forward(self, original(self, *args, **kwargs))
+        # The forward hooks themselves: they run eagerly under torch.compile.
+        args, kwargs = state.pre_forward_hook(self)(self, args, kwargs)
+        return state.post_forward_hook(self)(self, args, original(self, *args, **kwargs))
 
     setattr(module, method_name, MethodType(wrapped, module))
 

@@ -21,7 +21,7 @@ The lifecycle of a parameter, and the method that performs each step:
 
 import dataclasses
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, ParamSpec, TypeVar
 
 import torch
 import torch.nn as nn
@@ -34,9 +34,27 @@ from .param_group import FSDPParamGroup, TrainingState
 from .scheduler import CommContext
 from .streams import CommStreams, streams_for
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
 # The attribute under which a module keeps its FSDPState. Stored in the module's
 # __dict__ (not as a submodule) so it never shows up in module traversals.
 STATE_ATTR = "_dtensor_fsdp_state"
+
+
+def _run_eagerly(hook: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``hook`` as torch's FSDP2 runs its own: outside any ``torch.compile`` graph.
+
+    A compiled module (``block.compile()``, ``torch.compile(model)``) calls its forward
+    hooks from inside the compiled frame (and compiled autograd would call the backward
+    ones from its graph). FSDP's steps communicate, wait and swap parameters: nothing a
+    graph should capture. Dynamo runs a disabled module hook eagerly, between graphs,
+    without a graph break (as it runs torch's), so the compiled forward sees the
+    unsharded parameters as plain graph inputs (the modules carry torch's managed-module
+    marks, see `fully_shard.mark_managed_modules`). It must be the hook itself that is
+    disabled: a hook that calls a disabled function breaks the graph there.
+    """
+    return torch._dynamo.disable(hook, recursive=True, reason="dtensor_fsdp hooks run eagerly")
 
 
 def state_of(module: nn.Module) -> "FSDPState | None":
@@ -133,13 +151,13 @@ class FSDPState:
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             return self.pre_forward(module, args, kwargs)
 
-        return hook
+        return _run_eagerly(hook)
 
     def post_forward_hook(self, module: nn.Module):
         def hook(_module: nn.Module, args: tuple, output: Any) -> Any:
             return self.post_forward(module, output)
 
-        return hook
+        return _run_eagerly(hook)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.ctx is None:
@@ -173,6 +191,7 @@ class FSDPState:
         self.ctx.record_post_forward(self.group)
         return self._register_pre_backward(output)
 
+    @_run_eagerly
     def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         assert self.ctx is not None
         if not self.ctx.is_backward_callback_queued:
@@ -189,10 +208,12 @@ class FSDPState:
             self.ctx.prefetch_backward(self.group, explicit)
         return grad
 
+    @_run_eagerly
     def post_backward(self, node: object) -> None:
         if self.group is not None:
             self.group.on_post_backward_node(node)
 
+    @_run_eagerly
     def finalize_backward(self) -> None:
         """The root's end-of-backward callback, for every group in the tree."""
         assert self.ctx is not None and self.is_root

@@ -34,6 +34,7 @@ class ShardingPlan:
     """A validated fully_shard call."""
 
     modules: tuple[nn.Module, ...]
+    managed_modules: tuple[nn.Module, ...]  # the subtrees, less earlier groups' subtrees
     mesh_info: MeshInfo
     params: list[ParamToShard]
     moved_buffers: list[tuple[nn.Module, str, torch.Tensor]]  # (owner, name, moved copy)
@@ -65,6 +66,7 @@ def plan_sharding(
         _validate_no_extensions_for_hpz(modules, params, reshard_after_forward)
     return ShardingPlan(
         modules=modules,
+        managed_modules=tuple({id(m): m for root in modules for _, m in _walk(root)}.values()),
         mesh_info=mesh_info,
         params=params,
         moved_buffers=_moved_buffers(modules, device),
