@@ -12,17 +12,17 @@
   in place, cast to the parameter's dtype as ``nn.Module`` and torch's FSDP2 do: the
   zero-copy all-gather input stays intact.
 - ``save_full_state_dict(model, path)`` writes a full, unsharded checkpoint from rank 0
-  one tensor at a time (memory: the largest tensor), in the safetensors format, which
-  needs no extra dependency to write (``safetensors.torch.load_file`` reads it too);
-  ``format="torch"`` writes an ordinary ``torch.save`` file instead. Either way
-  ``load_full_state_dict(path)`` reads it back as a plain state dict.
+  one tensor at a time (memory: the largest tensor), in the safetensors format
+  (``safetensors.torch.load_file`` and transformers' ``from_pretrained`` read it; see
+  [Note: streamed safetensors] in ``_safetensors_file.py``); ``format="torch"`` writes an
+  ordinary ``torch.save`` file instead. Either way ``load_full_state_dict(path)`` reads
+  it back as a plain state dict; a malformed safetensors file raises ``ValueError``
+  naming the file and what is wrong.
 """
 
-import ctypes
-import json
+import contextlib
 import os
 import warnings
-import zipfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,20 +31,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ._safetensors_file import (
+    check_written,
+    encode_header,
+    plan_header,
+    read_state_dict,
+    write_tensor,
+)
 from .state import FSDPState, state_of
 
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's files are zip archives
 
 
 def register_state_dict_hooks(state: FSDPState) -> None:
@@ -231,9 +227,15 @@ def save_full_state_dict(module: nn.Module, path: str, *, format: str = "safeten
         module: the (fully-sharded) module.
         path: the file to write.
         format: ``"safetensors"`` streams each tensor to the file as it is gathered, so
-            rank 0 holds one full tensor at a time; ``"torch"`` is an ordinary
+            rank 0 holds one full tensor at a time; the finished file is checked with
+            ``safetensors.safe_open`` before it is renamed. ``"torch"`` is an ordinary
             ``torch.save`` of a plain state dict, which must be complete in host memory
             on rank 0 before it is written.
+
+    Raises:
+        ValueError: a bad ``format``; with ``"safetensors"``, a state-dict value that is
+            not a tensor or of a dtype safetensors cannot hold (named, on every rank,
+            before anything is gathered or written).
     """
     if format not in ("safetensors", "torch"):
         raise ValueError(
@@ -247,36 +249,21 @@ def save_full_state_dict(module: nn.Module, path: str, *, format: str = "safeten
         if is_writer:
             torch.save(full, temporary)
     else:
-        header = _safetensors_header(state_dict)
-        handle = open(temporary, "wb") if is_writer else None
-        if handle is not None:
-            handle.write(len(header).to_bytes(8, "little"))
-            handle.write(header)
-        for value in state_dict.values():
-            data = _host_bytes(_full_on_host(value))
-            if handle is not None:
-                handle.write(data)
-        if handle is not None:
-            handle.close()
+        header = plan_header(state_dict)
+        with open(temporary, "wb") if is_writer else contextlib.nullcontext() as file:
+            if file is not None:
+                file.write(encode_header(header))
+            for value in state_dict.values():
+                full = _full_on_host(value)  # every rank: a collective for a DTensor
+                if file is not None:
+                    write_tensor(file, full)
+                del full  # before the next gather: one full tensor at a time
+        if is_writer:
+            check_written(temporary, header)
     if is_writer:
         os.replace(temporary, path)
     if dist.is_initialized():
         dist.barrier()
-
-
-def _safetensors_header(state_dict: dict[str, torch.Tensor]) -> bytes:
-    entries: dict[str, Any] = {}
-    offset = 0
-    for key, value in state_dict.items():
-        nbytes = value.numel() * value.element_size()
-        entries[key] = {
-            "dtype": _safetensors_dtype(key, value.dtype),
-            "shape": list(value.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    encoded = json.dumps(entries, separators=(",", ":")).encode()
-    return encoded + b" " * (-len(encoded) % 8)  # the format aligns the data to 8 bytes
 
 
 def _full_on_host(value: torch.Tensor) -> torch.Tensor:
@@ -286,33 +273,17 @@ def _full_on_host(value: torch.Tensor) -> torch.Tensor:
 
 def load_full_state_dict(path: str) -> dict[str, torch.Tensor]:
     """Read a file written by `save_full_state_dict` (either format) as a plain state
-    dict, for an unsharded model."""
-    if zipfile.is_zipfile(path):  # torch.save's format
+    dict, for an unsharded model.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (``OSError`` for other reasons it
+            cannot be opened).
+        ValueError: ``path`` is not a valid safetensors file; the message names it and
+            keeps safetensors' reason. (A file that starts as a zip archive is read with
+            ``torch.load(weights_only=True)``, and raises what that raises.)
+    """
+    with open(path, "rb") as file:
+        is_torch_save = file.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
+    if is_torch_save:
         return torch.load(path, weights_only=True)
-    by_name = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
-    with open(path, "rb") as f:
-        header_size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_size))
-        data = bytearray(f.read())
-    state_dict = {}
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        start, end = entry["data_offsets"]
-        flat = torch.frombuffer(data, dtype=torch.uint8, count=end - start, offset=start)
-        state_dict[key] = flat.view(by_name[entry["dtype"]]).reshape(entry["shape"]).clone()
-    return state_dict
-
-
-def _host_bytes(tensor: torch.Tensor) -> bytes:
-    """The raw bytes of ``tensor``, copied to the host (no numpy dependency)."""
-    host = tensor.contiguous()
-    return ctypes.string_at(host.data_ptr(), host.numel() * host.element_size())
-
-
-def _safetensors_dtype(key: str, dtype: torch.dtype) -> str:
-    if dtype not in _SAFETENSORS_DTYPES:
-        raise ValueError(
-            f"save_full_state_dict: '{key}' has dtype {dtype}, which safetensors cannot hold"
-        )
-    return _SAFETENSORS_DTYPES[dtype]
+    return read_state_dict(path)
