@@ -112,7 +112,8 @@ def fully_shard(
         TypeError: ``module`` is not a module or a list of modules.
         ValueError: a module was already passed to ``fully_shard``; a parameter is
             shared with another group, 0-dimensional, or on a device other than the
-            mesh's; the mesh is not 1-D or 2-D; ``shard_placement_fn`` returned something
+            mesh's; the mesh is not 1-D or 2-D, or is 2-D without ``mesh_dim_names``
+            (also an ``AssertionError``, as in torch); ``shard_placement_fn`` returned something
             invalid (a ``Shard`` dim out of range is also an ``AssertionError``, as in
             torch); a tensor-parallel mesh cannot be concatenated with ``mesh`` (also a
             ``RuntimeError``, as in torch).

@@ -117,8 +117,8 @@ def test_zero_dim_parameter_points_to_ignored_params() -> None:
     with fake_mesh(2) as mesh:
         _assert_rejected(
             model, lambda: fully_shard(model, mesh=mesh), ValueError,
-            "doesn't support scalar parameters: parameter 'temperature' is 0-dimensional.*"
-            "ignored_params",
+            "doesn't support scalar parameters. Change temperature to a 1D tensor with numel "
+            "equal to 1.*'temperature' is 0-dimensional.*ignored_params",
         )
         fully_shard(model, mesh=mesh, ignored_params={model.temperature})
         assert type(model.temperature) is nn.Parameter and model.temperature.dim() == 0
@@ -157,7 +157,7 @@ def test_mesh_must_be_a_1d_or_2d_device_mesh() -> None:
         mesh_3d = DeviceMesh("cpu", torch.arange(8).view(2, 2, 2))
         _assert_rejected(
             model, lambda: fully_shard(model, mesh=mesh_3d), ValueError,
-            "3-D mesh.*1-D mesh \\(FSDP\\) or a 2-D \\(replicate, shard\\) mesh",
+            "but got DeviceMesh.*\\(3-D\\).*1-D mesh \\(FSDP\\) or a 2-D \\(replicate, shard\\) mesh",
         )
 
 
@@ -237,6 +237,10 @@ def _three_dimensional_mesh(mesh: DeviceMesh):
     return _mlp, {"mesh": DeviceMesh("cpu", torch.arange(8).view(2, 2, 2))}
 
 
+def _two_dimensional_mesh_without_names(mesh: DeviceMesh):
+    return _mlp, {"mesh": DeviceMesh("cpu", torch.arange(4).view(2, 2))}
+
+
 def _placement_fn(result: Callable[[nn.Parameter], Any], build=_mlp) -> Case:
     return lambda mesh: (build, {"mesh": mesh, "shard_placement_fn": result})
 
@@ -257,15 +261,23 @@ def _tp_mesh_overlapping_the_dp_mesh(mesh: DeviceMesh):
 
 MISUSES: dict[str, tuple[int, Case, type, str]] = {
     # name: (world size, case, torch's exception type, torch's key phrase)
+    # torch names the parameter as registered on its module; here that is its FQN too.
     "scalar_parameter": (
-        2, _scalar_parameter, ValueError, "fully_shard doesn't support scalar parameters"
+        2, _scalar_parameter, ValueError,
+        "fully_shard doesn't support scalar parameters. Change temperature to a 1D tensor "
+        "with numel equal to 1.",
     ),
     "non_contiguous_parameter": (
         2, _non_contiguous_parameter, NotImplementedError,
         "FSDP does not support non-contiguous parameters yet",
     ),
     "three_dimensional_mesh": (
-        8, _three_dimensional_mesh, ValueError, "fully_shard expects a 1D or 2D DeviceMesh"
+        8, _three_dimensional_mesh, ValueError,
+        "fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh",
+    ),
+    "two_dimensional_mesh_without_names": (
+        4, _two_dimensional_mesh_without_names, AssertionError,
+        "Please init the 2D mesh for HSDP with mesh_dim_names specified",
     ),
     "placement_fn_returns_replicate": (
         2, _placement_fn(lambda p: Replicate()), ValueError, "Invalid shard_placement_fn result"
