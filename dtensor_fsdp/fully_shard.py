@@ -12,6 +12,7 @@ from types import MethodType
 from typing import Any, overload
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -112,7 +113,8 @@ def fully_shard(
         TypeError: ``module`` is not a module or a list of modules.
         ValueError: a module was already passed to ``fully_shard``; a parameter is
             shared with another group, 0-dimensional, or on a device other than the
-            mesh's; the mesh is not 1-D or 2-D; ``shard_placement_fn`` returned something
+            mesh's; the mesh is not 1-D or 2-D, or is 2-D without ``mesh_dim_names``
+            (also an ``AssertionError``, as in torch); ``shard_placement_fn`` returned something
             invalid (a ``Shard`` dim out of range is also an ``AssertionError``, as in
             torch); a tensor-parallel mesh cannot be concatenated with ``mesh`` (also a
             ``RuntimeError``, as in torch).
@@ -480,13 +482,34 @@ class FSDPModule:
         before they land on ``.grad``: the reduce-scatter output (FSDP) or the
         all-reduce output (HSDP), 1-D. Not recursive.
 
-        ``stream`` is accepted for torch compatibility; the hook runs on the current
-        stream, which the reduction has already been ordered before.
+        Args:
+            hook: ``hook(reduce_output) -> None``; ``None`` removes it.
+            stream: on an accelerator, the stream to run the hook on: it waits for the
+                reduction, and the gradients land after the hook. As in torch, it stays
+                set until another ``stream`` is given, and is refused for native HSDP
+                (there the hook runs where the all-reduce's result is read). On the host
+                (CPU, gloo) there are no streams and it changes nothing.
+
+        Raises:
+            ValueError: ``stream`` with a 2-D (HSDP) mesh; ``stream`` without a hook
+                (also an ``AssertionError``, torch's type, which torch raises at the
+                first backward).
         """
-        if stream is not None and any(g.mesh_info.is_hsdp for g in self._own_groups()):
-            raise ValueError("stream cannot be set when using native HSDP")
-        for group in self._own_groups():
+        groups = self._own_groups()
+        if stream is not None and any(g.mesh_info.is_hsdp for g in groups):
+            raise ValueError(
+                "stream cannot be set when using native HSDP: the hook runs after the "
+                "replicate all-reduce; call set_all_reduce_hook(hook) without stream"
+            )
+        if stream is not None and hook is None:
+            raise SetterError(
+                "all reduce hook stream is specified but hook itself is missing: pass the "
+                "hook with its stream, or neither"
+            )
+        for group in groups:
             group.reduction.all_reduce_hook = hook
+            if stream is not None:
+                group.reduction.all_reduce_hook_stream = stream
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Give the root an event marking the end of the optimizer step, to wait on
@@ -527,6 +550,91 @@ class FSDPModule:
             if state.group is not None:
                 state.group.reduction.reduce_scatter_unused_params = reduce_scatter_unused_params
 
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Run gradient reduce-scatters on a process group of their own (``True``), or
+        on the shard group shared with the all-gathers again (``False``).
+
+        One communicator runs one collective at a time, so on the shared group a
+        backward all-gather waits for the reduce-scatter issued before it (and vice
+        versa); on two groups over the same ranks they can progress concurrently, as
+        far as the network allows. As in torch, one new group is created per set of
+        shard ranks (``dist.new_group(ranks, use_local_synchronization=True)``) and
+        shared by the groups of one call; a group already separate keeps its own. This
+        is collective for the shard ranks: call it on every rank, in the same order.
+        Any backend (on gloo the reduction is an all-to-all on the new group). HSDP's
+        replicate all-reduce keeps its group.
+
+        Args:
+            enable: ``True`` gives the reduce-scatters their own process group;
+                ``False`` returns them to the shard group.
+            recurse: for every FSDP module under this one, or just this one.
+        """
+        new_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for group in self._groups(recurse):
+            group.reduction.set_separate_reduce_scatter_group(enable, new_groups)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted for torch compatibility; no effect here. Not recursive.
+
+        torch's FSDP2 then allocates its all-gather and reduce-scatter staging buffers
+        with the process group's allocator where the backend has one (NCCL's, for
+        zero-copy transfers over NVLink SHARP or InfiniBand), else as usual; gloo has
+        none, so on the host torch changes nothing either. dtensor_fsdp always uses the
+        caching allocator (its all-gather input is the sharded buffer itself, and
+        NCCL's allocator is not supported yet). Unlike torch, which takes each for a
+        custom comm of the other, it may come before or after ``set_symm_mem_for_comm``.
+
+        Args:
+            enable: whether to allocate from the process group.
+
+        Raises:
+            ValueError: a custom all-gather or reduce-scatter is set on this module
+                (``set_custom_all_gather``, ``set_custom_reduce_scatter``), which
+                allocates its own buffers; also an ``AssertionError``, as in torch.
+        """
+        del enable
+        self._refuse_custom_comms("set_allocate_memory_from_process_group()")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted for torch compatibility; no effect here. Not recursive.
+
+        torch's FSDP2 then allocates its all-gather buffers (and, with
+        ``set_force_sum_reduction_for_comms(True)``, its reduce-scatter buffers) in
+        symmetric memory, so that NCCL can run its copy-engine or symmetric-kernel
+        all-gather; a torch build without symmetric memory (a CPU one) raises
+        ``RuntimeError`` instead. dtensor_fsdp always uses the caching allocator; the
+        arguments are checked as torch checks them.
+
+        Args:
+            backend: the symmetric memory backend: ``"NCCL"`` (torch documents only
+                it; ``"CUDA"`` and ``"NVSHMEM"`` are torch's other names).
+
+        Raises:
+            ValueError: ``backend`` is none of those (also a ``RuntimeError``, as in
+                torch); a custom all-gather or reduce-scatter is set on this module (also
+                an ``AssertionError``, as in torch).
+        """
+        if backend not in _SYMMETRIC_MEMORY_BACKENDS:
+            raise SymmetricMemoryBackendError(
+                f"SymmetricMemory does not find allocation backend {backend}: pass "
+                f"one of {_SYMMETRIC_MEMORY_BACKENDS} (torch's FSDP2 documents 'NCCL')"
+            )
+        self._refuse_custom_comms("set_symm_mem()")
+
+    def _refuse_custom_comms(self, method: str) -> None:
+        for group in self._own_groups():
+            for kind, comm in (
+                ("all gather", group.custom_all_gather),
+                ("reduce scatter", group.reduction.custom_reduce_scatter),
+            ):
+                if comm is not None:
+                    raise SetterError(
+                        f"cannot call {method} when {kind} comm is custom: "
+                        f"{type(comm).__name__}. A custom {kind} allocates its own buffers"
+                    )
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward needs this group's parameters. ``False`` skips the backward
         all-gather (an expert setting, e.g. an embedding). Not recursive."""
@@ -536,6 +644,23 @@ class FSDPModule:
     def _own_groups(self) -> list[FSDPParamGroup]:
         group = self._get_fsdp_state().group
         return [group] if group is not None else []
+
+    def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
+        return [s.group for s in self._fsdp_states(recurse) if s.group is not None]
+
+
+# torch 2.13's symmetric memory allocation backends (torch.distributed._symmetric_memory).
+_SYMMETRIC_MEMORY_BACKENDS = ("NCCL", "CUDA", "NVSHMEM")
+
+
+class SetterError(ValueError, AssertionError):
+    """An ``FSDPModule.set_*`` call torch's FSDP2 refuses with an AssertionError. A
+    ValueError (a user mistake), and an AssertionError: torch's type."""
+
+
+class SymmetricMemoryBackendError(ValueError, RuntimeError):
+    """``set_symm_mem_for_comm`` with an unknown backend. A ValueError (a user mistake),
+    and a RuntimeError: what torch's symmetric memory raises for it."""
 
 
 def _state_for_prefetch(module: Any) -> FSDPState:

@@ -99,14 +99,25 @@ def mesh_info_for(mesh: DeviceMesh) -> MeshInfo:
     if mesh.ndim == 1:
         return MeshInfo(mesh=mesh, shard_axis=0)
     if mesh.ndim == 2:
+        if mesh.mesh_dim_names is None:
+            raise UnnamedMeshError(
+                "Please init the 2D mesh for HSDP with mesh_dim_names specified: got "
+                f"{mesh}. Name its axes, e.g. init_device_mesh(device, (replicas, shards), "
+                "mesh_dim_names=('replicate', 'shard'))"
+            )
         # HSDP: replicate over axis 0 (across nodes), shard over axis 1 (within a node).
         return MeshInfo(mesh=mesh, shard_axis=1, replicate_axis=0)
     raise ValueError(
-        f"fully_shard expects a 1D or 2D DeviceMesh but got a {mesh.ndim}-D mesh {mesh}: "
-        "pass a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP); for tensor "
+        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} ({mesh.ndim}-D): pass "
+        "a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP); for tensor "
         "parallelism pass the data-parallel sub-mesh, e.g. mesh['dp'] or "
-        "mesh['replicate', 'shard']"
+        "mesh['replicate', 'shard'], or the full mesh with dp_mesh_dims"
     )
+
+
+class UnnamedMeshError(ValueError, AssertionError):
+    """A 2-D mesh without ``mesh_dim_names``. A ValueError (a user mistake), and an
+    AssertionError because that is what torch's fully_shard raises for it."""
 
 
 def same_process_groups(

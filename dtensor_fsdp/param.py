@@ -528,6 +528,82 @@ class FSDPParam:
         self._sharded_local = view
         self._init_unsharded_param()
 
+    def is_replaced(self) -> bool:
+        """Whether user code registered another object in this parameter's place since
+        it was sharded (``module.w = nn.Parameter(dtensor)``, ``load_state_dict(assign=
+        True)`` outside FSDP's hooks, an ``_apply`` that makes new Parameters). Only
+        while sharded: otherwise the unsharded param is registered."""
+        return (
+            self.sharded_state == ShardedState.SHARDED
+            and self._registered() is not self.sharded_param
+        )
+
+    def check_replacement(self, owners: "dict[int, FSDPParam]") -> None:
+        """Raise unless the object that replaced the sharded param (`is_replaced`) can
+        become it: an ``nn.Parameter`` wrapping a contiguous DTensor with the sharded
+        param's mesh, placements, global shape and local shape, that is no other FSDP
+        parameter's (``owners``: sharded param id -> FSDPParam, of every group known).
+
+        Raises:
+            ValueError: naming the parameter, what replaced it and the fix.
+        """
+        new = self._registered()
+        owner = owners.get(id(new))
+        if owner is not None and owner is not self:
+            # torch's FSDP2 accepts this and all-gathers the tied values twice, with a
+            # wrong result when the shard is padded; one FSDPParam per tie is not built.
+            raise ValueError(
+                f"FSDP parameter '{self.fqn}' was replaced after fully_shard by the sharded "
+                f"parameter '{owner.fqn}' (a tie made after fully_shard). Tie parameters "
+                "before fully_shard, and put the tied modules in one FSDP group "
+                "(fully_shard([module_a, module_b]) or their common ancestor): FSDP then "
+                "shards one parameter registered in both places"
+            )
+        layout = (
+            f"global shape {tuple(self.global_shape)}, local shape "
+            f"{tuple(self._sharded_local.shape)}, placements {self.layout.placements} on "
+            f"{self.layout.mesh}"
+        )
+        if not (isinstance(new, nn.Parameter) and isinstance(new, DTensor)):
+            what = f"a {type(new).__name__}, not an nn.Parameter wrapping a DTensor"
+        elif (
+            new.device_mesh == self.layout.mesh
+            and tuple(new.placements) == self.layout.placements
+            and new.shape == self.global_shape
+            and new._local_tensor.shape == self._sharded_local.shape
+            and new.is_contiguous()
+        ):
+            return
+        else:
+            what = (
+                f"a DTensor of global shape {tuple(new.shape)}, local shape "
+                f"{tuple(new._local_tensor.shape)}, placements {tuple(new.placements)} on "
+                f"{new.device_mesh}" + ("" if new.is_contiguous() else ", not contiguous")
+            )
+        raise ValueError(
+            f"FSDP parameter '{self.fqn}' was replaced after fully_shard by {what}. FSDP "
+            "adopts a replacing parameter if it is an nn.Parameter wrapping a contiguous "
+            f"DTensor laid out as the one it replaces ({layout}), e.g. computed from other "
+            "sharded parameters or made with distribute_tensor(full, mesh, placements); or "
+            "copy the new values into the registered parameter in place"
+        )
+
+    def adopt_replacement(self) -> None:
+        """Make the object that replaced the sharded param (checked by
+        `check_replacement`) the sharded param, registered in every slot, as torch's
+        FSDP2 does: the user's Parameter is then what the optimizer steps and
+        ``state_dict`` returns. Its local tensor is not in the group's sharded buffer
+        yet: `is_current` is False until the group re-derives it
+        (`FSDPParamGroup.reset_sharded_params`)."""
+        new = self._registered()
+        assert isinstance(new, nn.Parameter), f"{self.fqn}: adopting an unchecked replacement"
+        self.sharded_param = new
+        self._register(new)
+
+    def _registered(self) -> nn.Parameter | None:
+        slot = self.slots[0]
+        return slot.module._parameters.get(slot.name)
+
     def reset_buffer_nbytes(self) -> int:
         """`sharded_buffer_nbytes` for the local tensor that replaced this one."""
         local = self.registered_local()

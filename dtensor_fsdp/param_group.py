@@ -11,8 +11,10 @@ works without alignment padding; a group may mix dtypes.
 
 [Note: re-deriving the sharded state]
 ``nn.Module._apply`` (``to_empty``, ``to(dtype)``, ``half()``, ``cuda()``...) and
-``param.data = ...`` give sharded params new local tensors outside the sharded buffer.
-As in torch's FSDP2, the sharded params as the user left them are the truth: the
+``param.data = ...`` give sharded params new local tensors outside the sharded buffer;
+``module.w = nn.Parameter(dtensor)`` registers a new sharded param, which FSDP adopts
+(it becomes the sharded param, as in torch's FSDP2, once checked to have the old one's
+layout). As in torch's FSDP2, the sharded params as the user left them are the truth: the
 group re-derives dtypes and the sharded buffer from them (`reset_sharded_params`) after
 every ``_apply`` of one of its modules once none of them is on meta any more (a group
 over several modules is only complete after the last one's ``_apply``), at lazy init,
@@ -284,8 +286,19 @@ class FSDPParamGroup:
 
     def reset_sharded_params(self) -> bool:
         """Re-derive the sharded buffer and every parameter's dtypes from the sharded
-        params as they are now; a no-op if none was replaced. See [Note: re-deriving
-        the sharded state]. Returns whether it re-derived anything."""
+        params as they are now, adopting a Parameter registered in place of one; a
+        no-op if nothing changed. See [Note: re-deriving the sharded state]. Returns
+        whether it re-derived the buffer.
+
+        Raises:
+            ValueError: a sharded param was replaced by something FSDP cannot adopt (see
+                `FSDPParam.check_replacement`); nothing is changed then.
+        """
+        replaced = [p for p in self.fsdp_params if p.is_replaced()]
+        if replaced:
+            self.check_replacements({id(p.sharded_param): p for p in self.fsdp_params})
+            for fsdp_param in replaced:
+                fsdp_param.adopt_replacement()
         if all(p.is_current() for p in self.fsdp_params):
             return False
         locals_ = [p.registered_local() for p in self.fsdp_params]
@@ -311,6 +324,14 @@ class FSDPParamGroup:
             fsdp_param.reset_sharded_param(segment)
         self._init_all_gather_layout()
         return True
+
+    def check_replacements(self, owners: dict[int, FSDPParam]) -> None:
+        """`FSDPParam.check_replacement` for every replaced param of the group;
+        ``owners`` maps sharded param ids to their FSDPParams (this group's, or at lazy
+        init every group's of the tree)."""
+        for fsdp_param in self.fsdp_params:
+            if fsdp_param.is_replaced():
+                fsdp_param.check_replacement(owners)
 
     # Runtime #
 

@@ -72,11 +72,47 @@ class GradientReduction:
         self.force_sum_reduction = False
         self.custom_reduce_scatter: ReduceScatter | None = None
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        # set_all_reduce_hook(stream=): the accelerator stream the hook runs on; None: the
+        # current one. Unused on the host.
+        self.all_reduce_hook_stream: object | None = None
+        # set_separate_reduce_scatter_group: a process group over the shard ranks for the
+        # reduce-scatters alone; None: the shard group, shared with the all-gathers.
+        self.separate_reduce_scatter_group: dist.ProcessGroup | None = None
         self.reduce_scatter_unused_params = False
         self.comm_precision: CommPrecisionPolicy | None = None
         # CommPrecisionPolicy.error_feedback: per quantized param, its (W, padded chunk
         # numel) fp32 quantization error of the last reduce-scatter.
         self._residuals: dict[FSDPParam, torch.Tensor] = {}
+
+    @property
+    def reduce_scatter_group(self) -> dist.ProcessGroup:
+        """The process group the gradient reduce-scatters (and their checks) run on."""
+        if self.separate_reduce_scatter_group is not None:
+            return self.separate_reduce_scatter_group
+        return self.mesh_info.shard_group
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool, new_groups: dict[tuple[int, ...], dist.ProcessGroup]
+    ) -> None:
+        """Give the reduce-scatters their own process group over the shard ranks (see
+        ``FSDPModule.set_separate_reduce_scatter_group``), or with ``enable=False`` the
+        shard group back. ``new_groups`` (shard ranks -> group) is shared by one call's
+        groups, so groups sharding over the same ranks share one new process group."""
+        if not enable:
+            self.separate_reduce_scatter_group = None
+            return
+        ranks = tuple(dist.get_process_group_ranks(self.mesh_info.shard_group))
+        if ranks not in new_groups:
+            # Enabled already: keep that group. Otherwise only this rank set's members
+            # create it (HSDP: each replica its own), hence local synchronization.
+            new_groups[ranks] = (
+                self.separate_reduce_scatter_group
+                if self.separate_reduce_scatter_group is not None
+                else dist.new_group(
+                    list(ranks), use_local_synchronization=True, group_desc="fsdp_reduce_scatter"
+                )
+            )
+        self.separate_reduce_scatter_group = new_groups[ranks]
 
     def set_comm_precision(self, policy: CommPrecisionPolicy | None) -> None:
         self.comm_precision = policy
@@ -128,7 +164,7 @@ class GradientReduction:
         ctx.make_room_for_reduce_scatter()
         reduce_dtype = with_grad[0].reduce_dtype
         plan = ReductionPlan.choose(
-            self.mesh_info.shard_group,
+            self.reduce_scatter_group,
             self.mesh_info.replicate_group if self.mesh_info.is_hsdp else None,
             self.mesh_info.device,
             # fp16 could overflow while the collective sums: it pre-divides instead.
@@ -151,7 +187,7 @@ class GradientReduction:
         grads = [grad.to(reduce_dtype) for _, grad in to_reduce if grad is not None]
         if ctx.check is not None and ctx.check.applies_to("reduce_scatter"):
             ctx.check.before(
-                self.mesh_info.shard_group,
+                self.reduce_scatter_group,
                 self.mesh_info.device,
                 fqn,
                 "backward",
@@ -170,7 +206,7 @@ class GradientReduction:
                 grads,
                 is_quantized,
                 reduce_dtype,
-                self.mesh_info.shard_group,
+                self.reduce_scatter_group,
                 plan,
                 policy.reduce_scatter,
                 policy.block_size,
@@ -180,7 +216,7 @@ class GradientReduction:
             )
         else:
             result = reduce_scatter(
-                grads, reduce_dtype, self.mesh_info.shard_group, plan, async_op=True
+                grads, reduce_dtype, self.reduce_scatter_group, plan, async_op=True
             )
         # The grads now live in the reduce-scatter input: free the unsharded ones.
         for fsdp_param in with_grad:
@@ -304,7 +340,8 @@ class GradientReduction:
         if post_divisor != 1.0:
             reduced.div_(post_divisor)
         if self.all_reduce_hook is not None:
-            self.all_reduce_hook(reduced)
+            with streams.on_user_stream(self.all_reduce_hook_stream):
+                self.all_reduce_hook(reduced)
         to_host = streams.copy_to_host if self.offload else None
         copying = [
             fsdp_param.accumulate_sharded_grad(chunk, to_host)

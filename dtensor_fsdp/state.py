@@ -120,6 +120,12 @@ class FSDPState:
             max_in_flight_reduce_scatters(states), self.shared_streams or streams_for(self.device)
         )
         ctx.check = self.collective_check(states)
+        groups = [s.group for s in states if s.group is not None]
+        # A parameter replaced since fully_shard by another group's sharded param (a tie
+        # made after fully_shard) is refused before any group adopts anything.
+        owners = {id(p.sharded_param): p for g in groups for p in g.fsdp_params}
+        for group in groups:
+            group.check_replacements(owners)
         # Groups first: one that refuses (params still on meta) leaves no state rooted.
         for state in states:
             if state.group is not None:

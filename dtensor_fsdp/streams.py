@@ -29,6 +29,9 @@ result is first needed; what differs between devices is what "issued" and "waite
   the all-reduce reads the reduce-scatter   ``work.wait()`` on the all-reduce stream
   output
   compute frees what the all-reduce read    ``join`` after issuing it
+  a user's all-reduce hook stream reads     ``on_user_stream``: that stream waits for
+  the reduced gradients; they land after    compute before the hook, compute for it
+  the hook                                  after
   ========================================  ==========================================
 
   Reduce-scatters need no side stream: issued from the compute stream right after the
@@ -66,6 +69,13 @@ class CommStreams:
     def on(self, role: StreamRole | None) -> Iterator[None]:
         """Run the enclosed work (allocations included) on ``role``'s stream; ``None``
         keeps the current (compute) stream."""
+        yield
+
+    @contextmanager
+    def on_user_stream(self, stream: Any) -> Iterator[None]:
+        """Run the enclosed work on a stream the user gave (``set_all_reduce_hook``'s),
+        after everything queued on the compute stream so far and before anything the
+        compute stream queues next; ``None`` keeps the current stream."""
         yield
 
     def wait_for_compute(self, role: StreamRole) -> None:
@@ -124,6 +134,19 @@ class DeviceStreams(CommStreams):
             return
         with self._module.stream(self._streams[role]):
             yield
+
+    @contextmanager
+    def on_user_stream(self, stream: Any) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        compute = self._current()
+        stream.wait_stream(compute)
+        with self._module.stream(stream):
+            yield
+        # What ran there may have changed the tensors compute reads next; and compute
+        # frees them later, so the caching allocator reuses their memory only then.
+        compute.wait_stream(stream)
 
     def wait_for_compute(self, role: StreamRole) -> None:
         self._streams[role].wait_stream(self._current())

@@ -240,9 +240,10 @@ def _param_to_shard(
     data = param.to_local() if isinstance(param, DTensor) else param
     if data.dim() == 0:
         raise ValueError(
-            f"fully_shard({root_name}): fully_shard doesn't support scalar parameters: "
-            f"parameter '{fqn}' is 0-dimensional and cannot be sharded. Pass it in "
-            "ignored_params, or make it a 1-D tensor of one element"
+            f"fully_shard({root_name}): fully_shard doesn't support scalar parameters. "
+            f"Change {fqn} to a 1D tensor with numel equal to 1. (Parameter '{fqn}' is "
+            "0-dimensional and cannot be sharded; or pass it in ignored_params to leave "
+            "it unsharded)"
         )
     if not (param.is_contiguous() and data.is_contiguous()):
         raise NotImplementedError(

@@ -5,7 +5,8 @@ the dispatcher, whoever issues it: ``dtensor_fsdp``, torch's ``fully_shard``, a 
 subclass (torchao's float8 computes its amax with a functional all-reduce), DTensor
 redistributes. It records ``(kind, bytes)`` per op, where bytes is the size of the
 unsharded buffer: the output of an all-gather, the input of a reduce-scatter or an
-all-to-all, the tensor(s) of an all-reduce or a broadcast.
+all-to-all, the tensor(s) of an all-reduce or a broadcast; and, alongside, the name of
+the process group the op ran on (``by_group``).
 
 Why here and not from our own ``CommTrace``: a comparison with torch's ``fully_shard``
 needs the same ruler on both sides, and torch keeps no trace of ours. Counting below
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -119,6 +121,9 @@ class C10dRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.records: list[tuple[str, int]] = []
+        # The name of the process group each record's collective ran on, in the same
+        # order (None for an op that names none).
+        self.groups: list[str | None] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if DTensor in types:
@@ -132,7 +137,28 @@ class C10dRecorder(TorchDispatchMode):
         if namespace in self.NAMESPACES and name not in self.NOT_COLLECTIVES:
             kind, size = self.OPS.get((namespace, name), ("other", _arg(0)))
             self.records.append((kind, size(args, kwargs)))
+            self.groups.append(_group_name(func, args, kwargs))
         return func(*args, **kwargs)
+
+    def by_group(self) -> dict[str | None, list[str]]:
+        """The kinds of the recorded collectives per process group name, in order."""
+        out: dict[str | None, list[str]] = {}
+        for (kind, _), group in zip(self.records, self.groups, strict=True):
+            out.setdefault(group, []).append(kind)
+        return out
+
+
+def _group_name(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """The process group an op runs on: ``c10d`` ops take the group (a ScriptObject
+    that ``ProcessGroup.unbox`` turns back into one), functional ones its name."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name not in ("process_group", "group_name"):
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        if argument.name == "group_name":
+            return value
+        return dist.ProcessGroup.unbox(value).group_name
+    return None
 
 
 def bytes_of(records: list[tuple[str, int]], kind: str) -> int:

@@ -25,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_fsdp import CommTrace, fully_shard
 from dtensor_fsdp.models.llama import Llama, LlamaConfig, cross_entropy_loss
+from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests.dist._parity import (
     assert_pairs_close,
@@ -157,22 +158,41 @@ def _full_grads(model: nn.Module, ref: nn.Module) -> dict:
     }
 
 
-def _torch_parity(mesh: DeviceMesh, family: str, checks: bool = False) -> list[dict]:
+def _torch_parity(
+    mesh: DeviceMesh, family: str, checks: bool = False, separate: bool = False
+) -> list[dict]:
+    """Steps of ours and torch's; with ``separate``, both reduce-scatter on a process
+    group of their own, and each step records its collectives per process group role."""
     base = _build(family)
     ours = _shard(copy.deepcopy(base), mesh)
     if checks:  # they check every collective, the replicate all-reduce included
         ours.set_divergence_check(True)
         ours.set_nonfinite_grad_check(True)
     theirs = _shard(copy.deepcopy(base), mesh, shard=torch_fully_shard)
+    roles = {mesh.get_group("shard").group_name: "shard"}
+    roles[mesh.get_group("replicate").group_name] = "replicate"
+    if separate:
+        for model in (ours, theirs):
+            model.set_separate_reduce_scatter_group()
+        roles[ours._get_fsdp_state().group.reduction.reduce_scatter_group.group_name] = "separate"
+        info = theirs._get_fsdp_state()._fsdp_param_groups[0].mesh_info
+        roles[info.reduce_scatter_process_group.group_name] = "separate"
     opts = make_optimizer(ours.parameters()), make_optimizer(theirs.parameters())
     local, loss_fn = _local(mesh), _loss(family)
     records = []
     for step in range(2):
         x, y = _batch(family, step, WORLD_SIZE * PER_RANK_BATCH)
-        losses = [loss_fn(m(local(x)), local(y)) for m in (ours, theirs)]
-        for loss in losses:
-            loss.backward()
+        recorders = C10dRecorder(), C10dRecorder()
+        losses = []
+        for model, recorder in zip((ours, theirs), recorders, strict=True):
+            with recorder:
+                losses.append(loss_fn(model(local(x)), local(y)))
+                losses[-1].backward()
         rec = {
+            "collectives": [
+                {roles.get(name, name): kinds for name, kinds in r.by_group().items()}
+                for r in recorders
+            ],
             "loss": tuple(loss.item() for loss in losses),
             "grads": local_pairs(ours, theirs, grads=True),
             "grad_placements": {
@@ -248,6 +268,7 @@ def _worker(rank: int, world_size: int) -> dict:
             "torch_mlp": lambda: _torch_parity(mesh, "mlp"),
             "torch_llama": lambda: _torch_parity(mesh, "llama"),
             "torch_mlp_checked": lambda: _torch_parity(mesh, "mlp", checks=True),
+            "torch_mlp_separate": lambda: _torch_parity(mesh, "mlp", separate=True),
             "traces": lambda: _traces(mesh),
             "all_reduce_overlap": lambda: _all_reduce_overlap(mesh),
         }
@@ -281,7 +302,7 @@ def test_accumulation_without_all_reduce_equals_one_full_batch_step(run):
             assert_params_close(rec["params"], f"rank {rank} step {step} param", steps=step + 1)
 
 
-@pytest.mark.parametrize("family", ["mlp", "llama", "mlp_checked"])
+@pytest.mark.parametrize("family", ["mlp", "llama", "mlp_checked", "mlp_separate"])
 def test_matches_torch_fully_shard_on_the_same_mesh(run, family):
     for rank, records in enumerate(scenario_records(run, f"torch_{family}")):
         for step, rec in enumerate(records):
@@ -295,6 +316,18 @@ def test_matches_torch_fully_shard_on_the_same_mesh(run, family):
             assert_pairs_equal(rec["params"], f"{where} local shard vs torch")
             ours_layout, their_layout = rec["placements"]
             assert ours_layout == their_layout, where
+
+
+def test_separate_reduce_scatter_group_carries_every_reduction_as_torchs_does(run):
+    # 4 groups: 4 all-gathers in forward and 3 in backward (the root keeps its params)
+    # on the shard axis, each group's reduction on the new group, then its all-reduce
+    # on the replicate axis; torch reduce-scatters, ours (gloo) all-to-alls.
+    for rank, records in enumerate(scenario_records(run, "torch_mlp_separate")):
+        for step, rec in enumerate(records):
+            ours, theirs = rec["collectives"]
+            expected = {"shard": ["all_gather"] * 7, "replicate": ["all_reduce"] * 4}
+            assert theirs == expected | {"separate": ["reduce_scatter"] * 4}, theirs
+            assert ours == expected | {"separate": ["all_to_all"] * 4}, f"rank {rank} {step}"
 
 
 def test_collectives_per_step_by_mesh_axis(run):

@@ -16,6 +16,9 @@ on, with the same scheduling code:
   grads must be right after every backward, micro-batches included.
 - ``FakeTimingStreams`` hands out timing events on a fake device clock: the trace's
   exposed time is then the device stall, and the Chrome export has a device track.
+- ``DeviceStreams`` itself on a fake ``torch.cuda`` (every call checked against
+  torch.cuda's signatures): a traced step, and ``set_all_reduce_hook(stream=)``, whose
+  hook runs on the user's stream between the reduction and the grads.
 """
 
 import contextlib
@@ -373,6 +376,47 @@ def _device_streams(rank: int, mesh: Any) -> dict[str, Any]:
     }
 
 
+def _hook_stream(rank: int, mesh: Any) -> dict[str, Any]:
+    """set_all_reduce_hook(hook, stream=) through DeviceStreams on a fake torch.cuda: the
+    hook runs on that stream, after the reduction and before the grads land; the same
+    hook on torch's fully_shard (a CPU stream) gives the same grads."""
+    module = _FakeCudaModule()
+    original = torch.get_device_module
+    torch.get_device_module = lambda device=None: module  # type: ignore[assignment]
+    try:
+        streams = DeviceStreams(torch.device("cpu"))
+    finally:
+        torch.get_device_module = original
+    user = _FakeCudaStream(module, "user")
+    base = mlp()
+    models = {
+        "ours": shard_mlp(copy.deepcopy(base), mesh),
+        "torch": shard_mlp(copy.deepcopy(base), mesh, shard=torch_fully_shard),
+    }
+    hook_ran_on: list[str] = []
+
+    def hook(reduced: torch.Tensor) -> None:
+        hook_ran_on.append(module.current.name)
+        reduced.mul_(3)
+
+    for model in models.values():
+        _loss(model, 0, rank).backward()
+        model.zero_grad()
+        for group in (model, model[0], model[2]):
+            group.set_all_reduce_hook(
+                hook, stream=user if model is models["ours"] else torch.cpu.Stream()
+            )
+    _root_ctx(models["ours"]).streams = streams
+    _loss(models["ours"], 1, rank).backward()
+    ours_ran_on = list(hook_ran_on)
+    _loss(models["torch"], 1, rank).backward()
+    return {
+        "user_calls": [c for c in module.calls if "user" in c],
+        "ran_on": ours_ran_on,
+        "grads": local_pairs(models["ours"], models["torch"], grads=True),
+    }
+
+
 def _timing(rank: int, mesh: Any, tmp_dir: str) -> dict[str, Any]:
     model = shard_mlp(mlp(), mesh)
     _loss(model, 0, rank).backward()
@@ -415,6 +459,7 @@ def _run(rank: int, world_size: int, tmp_dir: str) -> dict[str, Any]:
             "offload_race": lambda: _offload(rank, pairs, wait_for_copies=False),
             "timing": lambda: _timing(rank, pairs, tmp_dir),
             "device_streams": lambda: _device_streams(rank, pairs),
+            "hook_stream": lambda: _hook_stream(rank, pairs),
         }
     )
 
@@ -548,4 +593,16 @@ def test_device_streams_call_torch_cudas_api(run) -> None:
         # The root's pre-forward, then one wait after each of the 5 copy-outs: always
         # the all-gather stream (side1) waiting for compute.
         assert calls == [("wait_stream", "side1", "compute")] * 6, calls
+        _assert_equal_pairs(rec["grads"], f"rank {rank} grad")
+
+
+def test_all_reduce_hook_runs_on_its_stream_between_the_reduction_and_the_grads(run) -> None:
+    for rank, rec in enumerate(scenario_records(run, "hook_stream")):
+        # Per group (3): the user's stream waits for compute (the reduced gradients),
+        # the hook runs there, then compute waits for it before the grads land.
+        assert rec["user_calls"] == [
+            ("wait_stream", "user", "compute"),
+            ("wait_stream", "compute", "user"),
+        ] * 3, rec["user_calls"]
+        assert rec["ran_on"] == ["user"] * 3
         _assert_equal_pairs(rec["grads"], f"rank {rank} grad")

@@ -15,11 +15,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import (
     HSDPMeshInfo,
     ShardPlacementResult,
 )
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from dtensor_fsdp import (
+    AllGather,
     DataParallelMeshDims,
     FSDPModule,
+    ReduceScatter,
     fully_shard,
     share_comm_ctx,
 )
@@ -117,8 +119,8 @@ def test_zero_dim_parameter_points_to_ignored_params() -> None:
     with fake_mesh(2) as mesh:
         _assert_rejected(
             model, lambda: fully_shard(model, mesh=mesh), ValueError,
-            "doesn't support scalar parameters: parameter 'temperature' is 0-dimensional.*"
-            "ignored_params",
+            "doesn't support scalar parameters. Change temperature to a 1D tensor with numel "
+            "equal to 1.*'temperature' is 0-dimensional.*ignored_params",
         )
         fully_shard(model, mesh=mesh, ignored_params={model.temperature})
         assert type(model.temperature) is nn.Parameter and model.temperature.dim() == 0
@@ -157,7 +159,8 @@ def test_mesh_must_be_a_1d_or_2d_device_mesh() -> None:
         mesh_3d = DeviceMesh("cpu", torch.arange(8).view(2, 2, 2))
         _assert_rejected(
             model, lambda: fully_shard(model, mesh=mesh_3d), ValueError,
-            "3-D mesh.*1-D mesh \\(FSDP\\) or a 2-D \\(replicate, shard\\) mesh",
+            "but got DeviceMesh.*\\(3-D\\).*1-D mesh \\(FSDP\\) or a 2-D "
+            "\\(replicate, shard\\) mesh",
         )
 
 
@@ -237,6 +240,10 @@ def _three_dimensional_mesh(mesh: DeviceMesh):
     return _mlp, {"mesh": DeviceMesh("cpu", torch.arange(8).view(2, 2, 2))}
 
 
+def _two_dimensional_mesh_without_names(mesh: DeviceMesh):
+    return _mlp, {"mesh": DeviceMesh("cpu", torch.arange(4).view(2, 2))}
+
+
 def _placement_fn(result: Callable[[nn.Parameter], Any], build=_mlp) -> Case:
     return lambda mesh: (build, {"mesh": mesh, "shard_placement_fn": result})
 
@@ -257,15 +264,23 @@ def _tp_mesh_overlapping_the_dp_mesh(mesh: DeviceMesh):
 
 MISUSES: dict[str, tuple[int, Case, type, str]] = {
     # name: (world size, case, torch's exception type, torch's key phrase)
+    # torch names the parameter as registered on its module; here that is its FQN too.
     "scalar_parameter": (
-        2, _scalar_parameter, ValueError, "fully_shard doesn't support scalar parameters"
+        2, _scalar_parameter, ValueError,
+        "fully_shard doesn't support scalar parameters. Change temperature to a 1D tensor "
+        "with numel equal to 1.",
     ),
     "non_contiguous_parameter": (
         2, _non_contiguous_parameter, NotImplementedError,
         "FSDP does not support non-contiguous parameters yet",
     ),
     "three_dimensional_mesh": (
-        8, _three_dimensional_mesh, ValueError, "fully_shard expects a 1D or 2D DeviceMesh"
+        8, _three_dimensional_mesh, ValueError,
+        "fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh",
+    ),
+    "two_dimensional_mesh_without_names": (
+        4, _two_dimensional_mesh_without_names, AssertionError,
+        "Please init the 2D mesh for HSDP with mesh_dim_names specified",
     ),
     "placement_fn_returns_replicate": (
         2, _placement_fn(lambda p: Replicate()), ValueError, "Invalid shard_placement_fn result"
@@ -418,3 +433,210 @@ def test_reduce_scatter_max_input_buffers_refuses_what_torch_refuses(
             root = impl(_mlp(), mesh=mesh)
             with pytest.raises(error, match=phrase):
                 root.set_reduce_scatter_max_input_buffers(bad)
+
+
+# A sharded parameter replaced after fully_shard #
+#
+# torch's FSDP2 adopts a replacing nn.Parameter(DTensor) with the sharded param's layout
+# at lazy init, and so do we (tests/dist/test_replaced_param.py). What cannot be adopted
+# torch fails on inside its padding code (an AttributeError or a RuntimeError), or, for
+# a tie made after fully_shard, accepts: it then all-gathers the tied values twice, with
+# a wrong result when the shard is padded. Ours refuses each with a ValueError at lazy
+# init that says what the replacement must be, before adopting anything.
+
+
+def _replace_with_plain(model: nn.Module, mesh: DeviceMesh) -> None:
+    model[0].bias = nn.Parameter(torch.zeros(6))
+
+
+def _replace_with_replicate(model: nn.Module, mesh: DeviceMesh) -> None:
+    model[0].bias = nn.Parameter(distribute_tensor(torch.zeros(6), mesh, [Replicate()]))
+
+
+def _replace_with_other_shape(model: nn.Module, mesh: DeviceMesh) -> None:
+    model[0].bias = nn.Parameter(distribute_tensor(torch.zeros(8), mesh, [Shard(0)]))
+
+
+def _tie(model: nn.Module, mesh: DeviceMesh) -> None:
+    model[2].weight = model[0].weight
+
+
+def _square_mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+
+
+REPLACEMENTS: dict[str, tuple[Callable[[], nn.Module], bool, Callable[..., None], Any, str]] = {
+    # name: (model, shard model[0] on its own, replacement, torch's outcome, our phrase)
+    "plain_parameter": (
+        _mlp, False, _replace_with_plain, AttributeError,
+        "'0.bias' was replaced after fully_shard by a Parameter, not an nn.Parameter "
+        "wrapping a DTensor",
+    ),
+    "replicated_dtensor": (
+        _mlp, False, _replace_with_replicate, RuntimeError,
+        "'0.bias' was replaced after fully_shard by a DTensor of global shape \\(6,\\), "
+        "local shape \\(6,\\), placements \\(Replicate\\(\\),\\).*local shape \\(3,\\), "
+        "placements \\(Shard\\(dim=0\\),\\)",
+    ),
+    "other_global_shape": (
+        _mlp, False, _replace_with_other_shape, RuntimeError,
+        "'0.bias' was replaced after fully_shard by a DTensor of global shape \\(8,\\).*"
+        "global shape \\(6,\\)",
+    ),
+    "tie_within_a_group": (
+        _square_mlp, False, _tie, None,
+        "'2.weight' was replaced after fully_shard by the sharded parameter '0.weight' "
+        "\\(a tie made after fully_shard\\). Tie parameters before fully_shard",
+    ),
+    "tie_across_groups": (
+        _square_mlp, True, _tie, None,
+        "'2.weight' was replaced after fully_shard by the sharded parameter '0.weight'",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REPLACEMENTS))
+def test_replaced_parameter_that_cannot_be_adopted(name: str) -> None:
+    build, nested, replace, torch_outcome, phrase = REPLACEMENTS[name]
+    inp = torch.randn(2, 4)
+    with fake_mesh(2) as mesh:
+        models = {}
+        for impl in (torch_fully_shard, fully_shard):
+            model = build()
+            if nested:
+                impl(model[0], mesh=mesh)
+            models[impl] = impl(model, mesh=mesh)
+            replace(model, mesh)
+        theirs = None
+        try:
+            models[torch_fully_shard](inp)
+        except Exception as error:
+            theirs = type(error)
+        assert theirs is torch_outcome, f"torch's premise: {theirs}"
+        model = models[fully_shard]
+        registered = [m._parameters.copy() for m in model.modules()]
+        sharded = [
+            p.sharded_param for s in model._fsdp_states(True) for p in s.group.fsdp_params
+        ]
+        with pytest.raises(ValueError, match=phrase):
+            model(inp)
+        # Nothing adopted: the user's replacement is still registered, FSDP's own
+        # sharded params are unchanged, and no state became a root.
+        assert [m._parameters.copy() for m in model.modules()] == registered
+        states = model._fsdp_states(True)
+        assert [p.sharded_param for s in states for p in s.group.fsdp_params] == sharded
+        assert all(s.ctx is None for s in states)
+
+
+def test_replaced_parameter_with_the_sharded_layout_is_adopted_after_a_refusal() -> None:
+    """The fix the message names: an nn.Parameter(DTensor) with the sharded layout."""
+    inp = torch.randn(2, 4)
+    with fake_mesh(2) as mesh:
+        model = fully_shard(_mlp(), mesh=mesh)
+        _replace_with_replicate(model, mesh)
+        with pytest.raises(ValueError, match="was replaced after fully_shard"):
+            model(inp)
+        fixed = nn.Parameter(distribute_tensor(torch.zeros(6), mesh, [Shard(0)]))
+        model[0].bias = fixed
+        model(inp).sum().backward()
+        assert model[0].bias is fixed and fixed.grad is not None
+
+
+# Communication setters #
+
+
+class _NoAllGather(AllGather):
+    """A custom all-gather that is never called: only set_* calls are under test."""
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        raise AssertionError("not called in these tests")
+
+
+class _NoReduceScatter(ReduceScatter):
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        raise AssertionError("not called in these tests")
+
+
+def _custom_all_gather(root: nn.Module) -> None:
+    root.set_custom_all_gather(_NoAllGather())
+
+
+def _custom_reduce_scatter(root: nn.Module) -> None:
+    root.set_custom_reduce_scatter(_NoReduceScatter())
+
+
+SETTER_MISUSES: dict[str, tuple[Callable[[nn.Module], None] | None, Callable, type, str]] = {
+    # name: (set up first, the call, torch's exception type, torch's key phrase)
+    "allocate_after_a_custom_all_gather": (
+        _custom_all_gather,
+        lambda root: root.set_allocate_memory_from_process_group_for_comm(True),
+        AssertionError,
+        "cannot call set_allocate_memory_from_process_group() when all gather comm is "
+        "custom: _NoAllGather",
+    ),
+    "allocate_after_a_custom_reduce_scatter": (
+        _custom_reduce_scatter,
+        lambda root: root.set_allocate_memory_from_process_group_for_comm(False),
+        AssertionError,
+        "cannot call set_allocate_memory_from_process_group() when reduce scatter comm is "
+        "custom: _NoReduceScatter",
+    ),
+    "symm_mem_after_a_custom_all_gather": (
+        _custom_all_gather,
+        lambda root: root.set_symm_mem_for_comm(),
+        AssertionError,
+        "cannot call set_symm_mem() when all gather comm is custom: _NoAllGather",
+    ),
+    "symm_mem_unknown_backend": (
+        None,
+        lambda root: root.set_symm_mem_for_comm("GLOO"),
+        RuntimeError,
+        "SymmetricMemory does not find allocation backend GLOO",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SETTER_MISUSES))
+def test_comm_setter_misuse_raises_torchs_exception_and_key_phrase(name: str) -> None:
+    set_up, call, torch_error, phrase = SETTER_MISUSES[name]
+    with fake_mesh(2) as mesh:
+        for impl in (torch_fully_shard, fully_shard):
+            root = impl(_mlp(), mesh=mesh)
+            if set_up is not None:
+                set_up(root)
+            with pytest.raises(torch_error) as raised:
+                call(root)
+            assert phrase in str(raised.value), f"{impl.__module__}: {raised.value}"
+            if impl is fully_shard:
+                assert isinstance(raised.value, ValueError)  # a user mistake, too
+
+
+def test_all_reduce_hook_stream_is_refused_for_native_hsdp() -> None:
+    with fake_mesh(4):
+        mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("r", "s"))
+        for impl in (torch_fully_shard, fully_shard):
+            root = impl(_mlp(), mesh=mesh)
+            with pytest.raises(ValueError, match="stream cannot be set when using native HSDP"):
+                root.set_all_reduce_hook(lambda t: None, stream=torch.cpu.Stream())
+        # Without a stream the hook is accepted on HSDP (it runs after the all-reduce).
+        root.set_all_reduce_hook(lambda t: None)
+
+
+def test_all_reduce_hook_stream_without_a_hook() -> None:
+    phrase = "all reduce hook stream is specified but hook itself is missing"
+    with fake_mesh(2) as mesh:
+        # torch accepts the call and raises at the first backward; ours at the call.
+        theirs = torch_fully_shard(_mlp(), mesh=mesh)
+        theirs.set_all_reduce_hook(None, stream=torch.cpu.Stream())
+        with pytest.raises(AssertionError, match=phrase):
+            theirs(torch.randn(2, 4)).sum().backward()
+        ours = fully_shard(_mlp(), mesh=mesh)
+        with pytest.raises(AssertionError, match=phrase):
+            ours.set_all_reduce_hook(None, stream=torch.cpu.Stream())
+        ours(torch.randn(2, 4)).sum().backward()  # nothing was set

@@ -201,7 +201,7 @@ def test_three_dimensional_mesh_names_the_sub_mesh_to_pass() -> None:
             model,
             lambda: fully_shard(model, mesh=mesh),
             ValueError,
-            r"3-D mesh.*mesh\['replicate', 'shard'\]",
+            r"but got DeviceMesh.*\(3-D\).*mesh\['replicate', 'shard'\]",
         )
 
 

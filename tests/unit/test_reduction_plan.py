@@ -78,7 +78,8 @@ def test_divisor_covers_the_axes_the_collectives_do_not_average(
     plan: ReductionPlan, divisor: float
 ) -> None:
     with fake_mesh(4):
-        mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2))  # HSDP: 2 replicas x 2 shards
+        # HSDP: 2 replicas x 2 shards
+        mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("replicate", "shard"))
         reduction = GradientReduction(
             [], mesh_info_for(mesh), lambda *a, **k: None, lambda: None, offload=False
         )
