@@ -165,6 +165,12 @@ def fully_shard(
             mark_replaced(source, type(modules[0]).__name__)
     for owner, name, tensor in plan.moved_buffers:
         owner._buffers[name] = tensor
+    # The marks torch's fully_shard leaves on the modules it manages, on the same
+    # modules: Hugging Face's generate() keeps the ranks stepping together (synced_gpus)
+    # when the model has _is_fsdp_managed_module, and dynamo reads both.
+    for managed in plan.managed_modules:
+        managed._is_fsdp_managed_module = True
+        managed._fsdp_use_orig_params = True
     for m in modules:
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _fsdp_class(type(m))
