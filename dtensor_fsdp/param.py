@@ -260,6 +260,13 @@ class FSDPParam:
         """
         return self.sharded_param._local_tensor
 
+    def sharded_version(self) -> tuple[int, int]:
+        """Counts the in-place writes to the sharded param's values: ops on the DTensor
+        (``torch.optim``, ``copy_``) bump the DTensor's version, ops on its local tensor
+        (``step_on_local_shards``, ``to_local().copy_()``) the local tensor's; neither
+        bumps the other's."""
+        return (self.sharded_param._version, self.registered_local()._version)
+
     def is_current(self) -> bool:
         """Whether the sharded param's local tensor is still this parameter's segment of
         the group's sharded buffer. ``nn.Module._apply`` (``to_empty``, ``to(dtype)``,
