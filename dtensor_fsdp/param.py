@@ -265,7 +265,7 @@ class FSDPParam:
         (``torch.optim``, ``copy_``) bump the DTensor's version, ops on its local tensor
         (``step_on_local_shards``, ``to_local().copy_()``) the local tensor's; neither
         bumps the other's."""
-        return (self.sharded_param._version, self.registered_local()._version)
+        return (_version(self.sharded_param), _version(self.registered_local()))
 
     def is_current(self) -> bool:
         """Whether the sharded param's local tensor is still this parameter's segment of
@@ -641,3 +641,9 @@ def mp_dtypes(
         return dtype, dtype
     param_dtype = mp_policy.param_dtype or dtype
     return param_dtype, mp_policy.reduce_dtype or param_dtype
+
+
+def _version(tensor: torch.Tensor) -> int:
+    # An inference tensor (made under inference_mode) keeps no version counter; it can
+    # only be written inside inference_mode, and such writes go unseen.
+    return -1 if tensor.is_inference() else tensor._version

@@ -15,8 +15,9 @@ sharded, then the root), 2 gloo ranks.
 - What a user meets after a ``no_grad`` forward, where the root stays unsharded as in
   torch: the registered parameters (torch's), ``state_dict()`` (DTensors),
   a full-state-dict load (ours loads; torch's fails), and an optimizer step between an
-  evaluation and the next forward (ours all-gathers the new values; torch's computes
-  with the old ones).
+  evaluation and the next forward, or after a backward that kept the unsharded params
+  (``set_reshard_after_backward(False)``): ours all-gathers the new values, torch's
+  computes with the old ones.
 """
 
 import copy
@@ -143,29 +144,31 @@ def _after_eval(rank: int, mesh: DeviceMesh) -> dict[str, Any]:
             )
         except RuntimeError as error:
             out[f"{impl}_full_load"] = str(error)
-        out[f"{impl}_stale"] = _step_between_eval_and_forward(
-            _sharded_copy(base, mesh, shard), tokens
-        )
-    out["fresh"] = _step_between_eval_and_forward(
-        _sharded_copy(base, mesh, fully_shard), tokens, evaluate=False
-    )
+        for between in ("eval", "kept"):
+            out[f"{impl}_{between}"] = _step_then_forward(
+                _sharded_copy(base, mesh, shard), tokens, between
+            )
+    out["fresh"] = _step_then_forward(_sharded_copy(base, mesh, fully_shard), tokens, "nothing")
     # A step on the local tensors (no DTensor op) is seen too.
-    out["ours_stale_local"] = _step_between_eval_and_forward(
-        _sharded_copy(base, mesh, fully_shard), tokens, local_shards=True
+    out["ours_eval_local"] = _step_then_forward(
+        _sharded_copy(base, mesh, fully_shard), tokens, "eval", local_shards=True
     )
     return out
 
 
-def _step_between_eval_and_forward(
-    model: nn.Module, tokens: torch.Tensor, evaluate: bool = True, local_shards: bool = False
+def _step_then_forward(
+    model: nn.Module, tokens: torch.Tensor, between: str, local_shards: bool = False
 ) -> dict[str, Any]:
-    """backward, (a no_grad forward,) optimizer step, forward: the last forward's logits
-    and collectives."""
+    """A backward, then ``between`` it and the optimizer step a ``no_grad`` forward
+    ("eval") or nothing ("nothing"; "kept": every group keeps its unsharded params after
+    backward), then a forward: its logits and collectives."""
     optim = torch.optim.SGD(model.parameters(), lr=0.5)
     if local_shards:
         step_on_local_shards(optim)
+    if between == "kept":
+        model.set_reshard_after_backward(False)
     model(input_ids=tokens, labels=tokens).loss.backward()
-    if evaluate:
+    if between == "eval":
         with torch.no_grad():
             model(input_ids=tokens)
     optim.step()
@@ -249,14 +252,20 @@ def test_after_a_no_grad_forward_state_dicts_see_dtensors(run):
         assert "mixed torch.Tensor and DTensor" in rec["torch_full_load"]
 
 
-def test_a_step_after_evaluation_reaches_the_next_forward(run):
+@pytest.mark.parametrize("between", ["eval", "kept"])
+def test_an_optimizer_step_reaches_a_kept_group(run, between):
     for rank, rec in enumerate(scenario_records(run, "after_eval")):
         fresh = rec["fresh"]
-        assert torch.equal(rec["ours_stale"]["logits"], fresh["logits"]), f"rank {rank}"
-        assert torch.equal(rec["ours_stale_local"]["logits"], fresh["logits"]), f"rank {rank}"
-        # torch's keeps computing with the root's values from before the step.
-        assert not torch.equal(rec["torch_stale"]["logits"], fresh["logits"]), f"rank {rank}"
-        # Ours all-gathers the root again (its sharded params changed); torch's does not.
-        assert rec["ours_stale"]["counts"] == fresh["counts"] == {"all_gather": 3, "all_reduce": 0}
-        assert rec["ours_stale_local"]["counts"] == fresh["counts"]
-        assert rec["torch_stale"]["counts"] == {"all_gather": 2, "all_reduce": 0}
+        assert torch.equal(rec[f"ours_{between}"]["logits"], fresh["logits"]), f"rank {rank}"
+        # torch's computes with the kept groups' values from before the step.
+        assert not torch.equal(rec[f"torch_{between}"]["logits"], fresh["logits"]), f"rank {rank}"
+        # Ours all-gathers the kept groups again (their sharded params changed).
+        assert rec[f"ours_{between}"]["counts"] == fresh["counts"] == {
+            "all_gather": 3,
+            "all_reduce": 0,
+        }
+        kept = 1 if between == "eval" else 3  # the root, or every group
+        assert rec[f"torch_{between}"]["counts"] == {"all_gather": 3 - kept, "all_reduce": 0}
+    for rec in scenario_records(run, "after_eval"):
+        assert torch.equal(rec["ours_eval_local"]["logits"], rec["fresh"]["logits"])
+        assert rec["ours_eval_local"]["counts"] == rec["fresh"]["counts"]
