@@ -555,7 +555,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>`` unshard before and reshard after, like ``forward``.
 
     For methods such as ``generate`` that use the parameters without calling forward.
-    A module that is not an ``FSDPModule`` is left unchanged.
+    A method that calls forward (Hugging Face's ``generate()``, once per token) reshards
+    the module's parameters when it returns, whatever ``reshard_after_forward`` says, as
+    torch's. A module that is not an ``FSDPModule`` is left unchanged.
     """
     if not isinstance(module, FSDPModule):
         return

@@ -437,10 +437,10 @@ class FSDPParamGroup:
             self.reshard()
 
     def post_forward(self, module: nn.Module) -> None:
-        """Reshard once every module of the group has run its forward (or per
-        ``reshard_after_forward``: the root keeps its unsharded params, also after a
-        ``no_grad`` forward, as torch's; the next forward of an evaluation loop or a
-        ``generate()`` then all-gathers nothing for it)."""
+        """Once every module of the group has run its forward, reshard per
+        ``reshard_after_forward``. The root keeps its unsharded params, also after a
+        ``no_grad`` forward, as torch's: the next forward of an evaluation loop or of
+        ``generate()`` all-gathers nothing for it."""
         if self.training_state != TrainingState.FORWARD:
             # The end of a registered method (register_fsdp_forward_method) whose own
             # forward calls already ran this post-forward: Hugging Face's generate()
