@@ -167,27 +167,20 @@ def fully_shard(
             mark_replaced(source, type(modules[0]).__name__)
     for owner, name, tensor in plan.moved_buffers:
         owner._buffers[name] = tensor
+    # The marks torch's fully_shard leaves on the modules it manages, on the same
+    # modules: Hugging Face's generate() keeps the ranks stepping together (synced_gpus)
+    # when the model has _is_fsdp_managed_module, and dynamo reads both: a marked
+    # module's parameters are graph inputs it does not guard on, so swapping sharded
+    # and unsharded parameters between calls does not recompile.
+    for managed in plan.managed_modules:
+        managed._is_fsdp_managed_module = True
+        managed._fsdp_use_orig_params = True
     for m in modules:
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _fsdp_class(type(m))
     state.register_hooks()
     register_state_dict_hooks(state)
-    mark_managed_modules(plan.managed_modules)
     return module
-
-
-def mark_managed_modules(modules: tuple[nn.Module, ...]) -> None:
-    """Put torch's FSDP marks on every module this call manages, as torch's fully_shard.
-
-    Others read them as the facts they state: dynamo treats a marked module's
-    parameters as graph inputs without guarding on them (FSDP swaps sharded and
-    unsharded parameters between calls; torch/_dynamo/variables/builder.py), and
-    Hugging Face's ``generate()`` keeps the ranks stepping together
-    (``transformers.integrations.fsdp.is_fsdp_managed_module``).
-    """
-    for module in modules:
-        module._is_fsdp_managed_module = True  # type: ignore[assignment]
-        module._fsdp_use_orig_params = True  # type: ignore[assignment]
 
 
 @functools.cache
@@ -689,7 +682,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>`` unshard before and reshard after, like ``forward``.
 
     For methods such as ``generate`` that use the parameters without calling forward.
-    A module that is not an ``FSDPModule`` is left unchanged.
+    A method that calls forward (Hugging Face's ``generate()``, once per token) reshards
+    the module's parameters when it returns, whatever ``reshard_after_forward`` says, as
+    torch's. A module that is not an ``FSDPModule`` is left unchanged.
     """
     if not isinstance(module, FSDPModule):
         return

@@ -260,6 +260,13 @@ class FSDPParam:
         """
         return self.sharded_param._local_tensor
 
+    def sharded_version(self) -> tuple[int, int]:
+        """Counts the in-place writes to the sharded param's values: ops on the DTensor
+        (``torch.optim``, ``copy_``) bump the DTensor's version, ops on its local tensor
+        (``step_on_local_shards``, ``to_local().copy_()``) the local tensor's; neither
+        bumps the other's."""
+        return (_version(self.sharded_param), _version(self.registered_local()))
+
     def is_current(self) -> bool:
         """Whether the sharded param's local tensor is still this parameter's segment of
         the group's sharded buffer. ``nn.Module._apply`` (``to_empty``, ``to(dtype)``,
@@ -710,3 +717,9 @@ def mp_dtypes(
         return dtype, dtype
     param_dtype = mp_policy.param_dtype or dtype
     return param_dtype, mp_policy.reduce_dtype or param_dtype
+
+
+def _version(tensor: torch.Tensor) -> int:
+    # An inference tensor (made under inference_mode) keeps no version counter; it can
+    # only be written inside inference_mode, and such writes go unseen.
+    return -1 if tensor.is_inference() else tensor._version

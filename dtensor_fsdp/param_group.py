@@ -143,6 +143,9 @@ class FSDPParamGroup:
         # backward; None when the group is fully sharded or unsharded.
         self._post_forward_buffer: torch.Tensor | None = None
         self._forwarded_modules: set[int] = set()  # ids of modules whose forward ran
+        # Each param's `sharded_version` when the unsharded params (or hpZ's post-forward
+        # buffer) were last all-gathered from the sharded ones; see `_reshard_if_stale`.
+        self._gathered_versions: list[tuple[int, int]] | None = None
         # The autograd contexts of this iteration's post-backward nodes that have not run
         # yet; post-backward runs when the last one does. Weak, so the nodes of a forward
         # whose graph was dropped without a backward (warm-up, eval with grad enabled)
@@ -355,6 +358,8 @@ class FSDPParamGroup:
         if role is not None:
             streams.wait_for_event(role, self._post_forward_event)
         self._post_forward_event = None
+        if self._post_forward_buffer is None:
+            self._gathered_versions = [p.sharded_version() for p in self.fsdp_params]
         with streams.on(role):
             source = self._all_gather_source_now()
             if self.ctx is not None and self.ctx.check is not None:
@@ -434,20 +439,41 @@ class FSDPParamGroup:
         self.sharded_state = ShardedState.SHARDED
 
     def pre_forward(self) -> None:
+        if self.training_state != TrainingState.FORWARD:  # not a group's second module
+            self._reshard_if_stale()
         self.training_state = TrainingState.FORWARD
         self.unshard()
 
+    def _reshard_if_stale(self) -> None:
+        """Reshard a group kept unsharded since an earlier forward or backward (the root
+        after a ``no_grad`` forward, ``set_reshard_after_backward(False)``) whose sharded
+        params changed since their all-gather (an optimizer step between an evaluation
+        and the next forward, ``param.data = ...``), so that this forward all-gathers
+        the new values. torch's FSDP2 computes with the old ones."""
+        if self.sharded_state == ShardedState.SHARDED and self._post_forward_buffer is None:
+            return
+        if not all(p.is_current() for p in self.fsdp_params) or self._gathered_versions != [
+            p.sharded_version() for p in self.fsdp_params
+        ]:
+            self.reshard()
+
     def post_forward(self, module: nn.Module) -> None:
-        """Reshard once every module of the group has run its forward."""
+        """Once every module of the group has run its forward, reshard per
+        ``reshard_after_forward``. The root keeps its unsharded params, also after a
+        ``no_grad`` forward, as torch's: the next forward of an evaluation loop or of
+        ``generate()`` all-gathers nothing for it."""
+        if self.training_state != TrainingState.FORWARD:
+            # The end of a registered method (register_fsdp_forward_method) whose own
+            # forward calls already ran this post-forward: Hugging Face's generate()
+            # around its per-token forwards. The method is done with the params: reshard
+            # whatever reshard_after_forward says, as torch's FSDP2 does.
+            self.reshard()
+            return
         self._forwarded_modules.add(id(module))
         if len(self._forwarded_modules) < len(self.modules):
             return
         self._forwarded_modules.clear()
-        # With grad disabled no backward follows, so even the root need not stay unsharded
-        # (torch keeps it unsharded; see the README's differences).
-        if not torch.is_grad_enabled():
-            self.reshard()
-        elif self.reshard_after_forward and self.post_forward_mesh_info is not None:
+        if self.reshard_after_forward and self.post_forward_mesh_info is not None:
             self._reshard_post_forward(self.post_forward_mesh_info)
         elif self.reshard_after_forward:
             self.reshard()

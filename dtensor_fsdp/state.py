@@ -51,7 +51,7 @@ def _run_eagerly(hook: Callable[_P, _R]) -> Callable[_P, _R]:
     graph should capture. Dynamo runs a disabled module hook eagerly, between graphs,
     without a graph break (as it runs torch's), so the compiled forward sees the
     unsharded parameters as plain graph inputs (the modules carry torch's managed-module
-    marks, see `fully_shard.mark_managed_modules`). It must be the hook itself that is
+    marks, set in `fully_shard`). It must be the hook itself that is
     disabled: a hook that calls a disabled function breaks the graph there.
     """
     return torch._dynamo.disable(hook, recursive=True, reason="dtensor_fsdp hooks run eagerly")

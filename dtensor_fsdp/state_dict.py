@@ -1,9 +1,9 @@
 """State dicts of fully-sharded modules, and a streamed full export.
 
 - ``model.state_dict()`` returns the sharded DTensors under the original FQNs, with no
-  communication and no FSDP-specific key mangling; a pre-hook reshards the group first,
-  so it never returns unsharded parameters (torch's FSDP2 does after a ``no_grad``
-  forward of the root).
+  communication and no FSDP-specific key mangling; a pre-hook reshards the group first
+  (the root stays unsharded after a ``no_grad`` forward), so it never returns unsharded
+  parameters, as torch's FSDP2.
 - ``model.load_state_dict(sd)`` takes sharded DTensors (any placements or mesh: they
   are redistributed) and plain full tensors (each rank keeps its own chunk: no rank
   broadcasts the model). ``FSDPModule.load_state_dict`` checks the keys and every value

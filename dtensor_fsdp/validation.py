@@ -34,13 +34,15 @@ class ShardingPlan:
     """A validated fully_shard call."""
 
     modules: tuple[nn.Module, ...]
-    managed_modules: tuple[nn.Module, ...]  # the subtrees, less earlier groups' subtrees
     mesh_info: MeshInfo
     params: list[ParamToShard]
     moved_buffers: list[tuple[nn.Module, str, torch.Tensor]]  # (owner, name, moved copy)
     param_device: torch.device  # where the sharded params go (meta stays meta)
     reshard_after_forward: bool
     post_forward_size: int | None  # hpZ: the smaller world size after forward
+    # The modules this call manages, as torch's fully_shard picks them; see
+    # `_managed_modules`.
+    managed_modules: list[nn.Module]
 
 
 def plan_sharding(
@@ -66,7 +68,6 @@ def plan_sharding(
         _validate_no_extensions_for_hpz(modules, params, reshard_after_forward)
     return ShardingPlan(
         modules=modules,
-        managed_modules=tuple({id(m): m for root in modules for _, m in _walk(root)}.values()),
         mesh_info=mesh_info,
         params=params,
         moved_buffers=_moved_buffers(modules, device),
@@ -75,6 +76,7 @@ def plan_sharding(
         post_forward_size=(
             reshard_after_forward if _is_hpz(reshard_after_forward, mesh_info) else None  # type: ignore[arg-type]
         ),
+        managed_modules=_managed_modules(modules, ignored_params),
     )
 
 
@@ -197,6 +199,31 @@ def _walk(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             if state_of(child) is None
         ]
         stack.extend(reversed(children))
+
+
+def _managed_modules(
+    modules: tuple[nn.Module, ...], ignored_params: set[nn.Parameter] | None
+) -> list[nn.Module]:
+    """The modules torch's ``fully_shard`` marks as managed (``_get_managed_modules``):
+    the subtrees of ``modules``, each module once, minus subtrees an earlier
+    ``fully_shard`` owns; with ``ignored_params`` (even an empty set, as torch), minus the
+    modules it leaves nothing of: no buffer, every parameter ignored, every child such a
+    module too (so a parameterless leaf such as ``nn.ReLU`` as well)."""
+    managed = list({id(m): m for root in modules for _, m in _walk(root)}.values())
+    if ignored_params is None:
+        return managed
+    ignored: dict[int, bool] = {}
+
+    def is_ignored(module: nn.Module) -> bool:
+        if id(module) not in ignored:
+            ignored[id(module)] = (
+                not any(True for _ in module.buffers(recurse=False))
+                and all(p in ignored_params for p in module.parameters(recurse=False))
+                and all(is_ignored(child) for child in module.children())
+            )
+        return ignored[id(module)]
+
+    return [m for m in managed if not is_ignored(m)]
 
 
 def _collect_params(

@@ -283,14 +283,15 @@ def test_explicit_prefetch_gives_the_same_gradients(traces: dict[str, Any]) -> N
     assert traces["explicit_max_grad_diff"] == 0.0
 
 
-def test_no_grad_forward_reshards_the_root_too(traces: dict[str, str]) -> None:
+def test_no_grad_forward_keeps_the_root_unsharded(traces: dict[str, str]) -> None:
+    # As torch's: the next forward of an evaluation loop all-gathers the blocks only
+    # (compared with torch's collectives in test_eval_generate.py).
     assert_expected_inline(traces["no_grad"], """\
 unshard       root  forward
 unshard       0     forward
 reshard       0     forward
 unshard       2     forward
 reshard       2     forward
-reshard       root  forward
 --
 all_gather     root    272 B  forward
 all_gather     0       576 B  forward

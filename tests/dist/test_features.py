@@ -25,6 +25,10 @@ import torch.nn.functional as F
 from expecttest import assert_expected_inline
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp import (
+    register_fsdp_forward_method as torch_register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.checkpoint import checkpoint
@@ -447,7 +451,14 @@ def _forward_method(rank: int, mesh: Any) -> dict[str, Any]:
         generated = model.generate(_local(x, rank))
     out["no_grad_trace"] = [(e, fqn or "root", phase) for e, fqn, phase in trace.schedule()]
     out["no_grad_diff"] = (generated - ref.generate(_local(x, rank))).abs().max().item()
-    out["unsharded_after"] = _unsharded_bytes(model)
+    out["registered_after"] = {n: type(p).__name__ for n, p in model.named_parameters()}
+    theirs = Generator()
+    torch_fully_shard(theirs.body, mesh=mesh)
+    torch_fully_shard(theirs, mesh=mesh)
+    torch_register_fsdp_forward_method(theirs, "generate")
+    with torch.no_grad():
+        theirs.generate(_local(x, rank))
+    out["torch_registered_after"] = {n: type(p).__name__ for n, p in theirs.named_parameters()}
     # With grad: generate's output drives a backward that reduce-scatters as usual.
     trace.clear()
     model.generate(_local(x, rank)).pow(2).mean().backward()
@@ -883,7 +894,12 @@ def test_registered_forward_method_unshards_and_reshards(run):
         # Unregistered, generate meets the root's sharded DTensor head.weight.
         assert rec["unregistered"] is not None and "DTensor" in rec["unregistered"]
         assert rec["no_grad_diff"] < 1e-6
-        assert rec["unsharded_after"] == 0
+        # The root stays unsharded after a no_grad call, as torch's (generate calls no
+        # forward here: HF's, which does, is resharded at its end; test_eval_generate.py).
+        assert rec["registered_after"] == rec["torch_registered_after"] == {
+            "body.weight": "DTensor", "body.bias": "DTensor",
+            "head.weight": "Parameter", "head.bias": "Parameter",
+        }
         assert_pairs_close(rec["grads"], "generate grad")
         # generate does not use head.bias: no grad for it, as on the reference.
         assert rec["grad_is_none"] == rec["ref_grad_is_none"] == {
@@ -893,12 +909,12 @@ def test_registered_forward_method_unshards_and_reshards(run):
     assert_expected_inline("\n".join(" ".join(t) for t in rec["no_grad_trace"]), """\
 unshard root forward
 unshard body forward
-reshard body forward
-reshard root forward""")
-    # x has no grad, so both groups reduce-scatter from the final callback, root first.
+reshard body forward""")
+    # The root is still unsharded from the no_grad call (its sharded params unchanged),
+    # so only the body is all-gathered. x has no grad, so both groups reduce-scatter from
+    # the final callback, root first.
     assert rec["grad_trace"] == (
-        "all_gather(root,f) all_gather(body,f) all_gather(body,b) reduce_scatter(root,b) "
-        "reduce_scatter(body,b)"
+        "all_gather(body,f) all_gather(body,b) reduce_scatter(root,b) reduce_scatter(body,b)"
     )
 
 
