@@ -349,16 +349,21 @@ def _offload(rank: int, mesh: Any, wait_for_copies: bool) -> dict[str, Any]:
     return {"records": records, "deferred_copies": streams.deferred_copies}
 
 
-def _device_streams(rank: int, mesh: Any) -> dict[str, Any]:
-    """DeviceStreams itself, on a fake torch.cuda: a traced step calls only torch.cuda's
-    API, as torch.cuda spells it, and trains as torch's fully_shard does."""
+def _fake_cuda_streams() -> tuple[_FakeCudaModule, DeviceStreams]:
+    """DeviceStreams built on a fake torch.cuda (the module it records its calls in)."""
     module = _FakeCudaModule()
     original = torch.get_device_module
     torch.get_device_module = lambda device=None: module  # type: ignore[assignment]
     try:
-        streams = DeviceStreams(torch.device("cpu"))
+        return module, DeviceStreams(torch.device("cpu"))
     finally:
         torch.get_device_module = original
+
+
+def _device_streams(rank: int, mesh: Any) -> dict[str, Any]:
+    """DeviceStreams itself, on a fake torch.cuda: a traced step calls only torch.cuda's
+    API, as torch.cuda spells it, and trains as torch's fully_shard does."""
+    module, streams = _fake_cuda_streams()
     base = mlp()
     ours = shard_mlp(copy.deepcopy(base), mesh)
     theirs = shard_mlp(copy.deepcopy(base), mesh, shard=torch_fully_shard)
@@ -380,13 +385,7 @@ def _hook_stream(rank: int, mesh: Any) -> dict[str, Any]:
     """set_all_reduce_hook(hook, stream=) through DeviceStreams on a fake torch.cuda: the
     hook runs on that stream, after the reduction and before the grads land; the same
     hook on torch's fully_shard (a CPU stream) gives the same grads."""
-    module = _FakeCudaModule()
-    original = torch.get_device_module
-    torch.get_device_module = lambda device=None: module  # type: ignore[assignment]
-    try:
-        streams = DeviceStreams(torch.device("cpu"))
-    finally:
-        torch.get_device_module = original
+    module, streams = _fake_cuda_streams()
     user = _FakeCudaStream(module, "user")
     base = mlp()
     models = {
