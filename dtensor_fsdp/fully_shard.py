@@ -694,10 +694,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     state = module._get_fsdp_state()
     original = getattr(type(module), method_name)
 
+    # The forward hooks themselves, which run eagerly under torch.compile.
+    pre_forward, post_forward = state.pre_forward_hook(module), state.post_forward_hook(module)
+
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        # The forward hooks themselves: they run eagerly under torch.compile.
-        args, kwargs = state.pre_forward_hook(self)(self, args, kwargs)
-        return state.post_forward_hook(self)(self, args, original(self, *args, **kwargs))
+        args, kwargs = pre_forward(self, args, kwargs)
+        return post_forward(self, args, original(self, *args, **kwargs))
 
     setattr(module, method_name, MethodType(wrapped, module))
 

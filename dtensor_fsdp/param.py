@@ -354,7 +354,10 @@ class FSDPParam:
         self.sharded_state = ShardedState.UNSHARDED
 
     def to_sharded(self) -> None:
-        self._register(self.sharded_param)
+        # A Parameter the user registered in place of the unsharded one (while the group
+        # was kept unsharded) stays: the next all-gather adopts it (`is_replaced`).
+        if not (self.sharded_state == ShardedState.UNSHARDED and self.is_foreign()):
+            self._register(self.sharded_param)
         if self.extension is not None:
             self.extension.free()
         else:
@@ -544,6 +547,12 @@ class FSDPParam:
             self.sharded_state == ShardedState.SHARDED
             and self._registered() is not self.sharded_param
         )
+
+    def is_foreign(self) -> bool:
+        """Whether the module holds neither this parameter's sharded nor its unsharded
+        param: user code replaced it (see `is_replaced`)."""
+        registered = self._registered()
+        return registered is not self.sharded_param and registered is not self.unsharded_param
 
     def check_replacement(self, owners: "dict[int, FSDPParam]") -> None:
         """Raise unless the object that replaced the sharded param (`is_replaced`) can

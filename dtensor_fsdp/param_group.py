@@ -146,6 +146,9 @@ class FSDPParamGroup:
         # Each param's `sharded_version` when the unsharded params (or hpZ's post-forward
         # buffer) were last all-gathered from the sharded ones; see `_reshard_if_stale`.
         self._gathered_versions: list[tuple[int, int]] | None = None
+        # Every FSDPParam of the root's tree, set at lazy init: a replacement is checked
+        # against them all, so a tie made after fully_shard is refused across groups.
+        self.tree_params: list[FSDPParam] | None = None
         # The autograd contexts of this iteration's post-backward nodes that have not run
         # yet; post-backward runs when the last one does. Weak, so the nodes of a forward
         # whose graph was dropped without a backward (warm-up, eval with grad enabled)
@@ -299,7 +302,8 @@ class FSDPParamGroup:
         """
         replaced = [p for p in self.fsdp_params if p.is_replaced()]
         if replaced:
-            self.check_replacements({id(p.sharded_param): p for p in self.fsdp_params})
+            owners = self.tree_params if self.tree_params is not None else self.fsdp_params
+            self.check_replacements({id(p.sharded_param): p for p in owners})
             for fsdp_param in replaced:
                 fsdp_param.adopt_replacement()
         if all(p.is_current() for p in self.fsdp_params):
@@ -358,7 +362,11 @@ class FSDPParamGroup:
         if role is not None:
             streams.wait_for_event(role, self._post_forward_event)
         self._post_forward_event = None
-        if self._post_forward_buffer is None:
+        # Only a group that can be kept unsharded past its forward or backward is
+        # checked for staleness (`_reshard_if_stale`): no per-param loop for the others.
+        if self._post_forward_buffer is None and not (
+            self.reshard_after_forward and self.reshard_after_backward
+        ):
             self._gathered_versions = [p.sharded_version() for p in self.fsdp_params]
         with streams.on(role):
             source = self._all_gather_source_now()
@@ -447,14 +455,23 @@ class FSDPParamGroup:
     def _reshard_if_stale(self) -> None:
         """Reshard a group kept unsharded since an earlier forward or backward (the root
         after a ``no_grad`` forward, ``set_reshard_after_backward(False)``) whose sharded
-        params changed since their all-gather (an optimizer step between an evaluation
-        and the next forward, ``param.data = ...``), so that this forward all-gathers
-        the new values. torch's FSDP2 computes with the old ones."""
+        params changed since their all-gather, so that this forward all-gathers the new
+        values (torch's FSDP2 computes with the old ones): an in-place write that bumped
+        a version counter (a per-tensor ``torch.optim`` step, ``step_on_local_shards``,
+        ``copy_``), ``param.data = ...``, or a param replaced in the module.
+
+        Not seen, as in torch: a foreach or fused ``torch.optim`` step (the default for
+        DTensors on an accelerator) writes the local shards below autograd, where no
+        version counter counts; after such a step between a ``no_grad`` forward and the
+        next forward, call ``model.reshard()`` (README, differences). Resharding at
+        every training forward after an evaluation instead would cost one all-gather
+        of the root per evaluation loop, which torch does not issue.
+        """
         if self.sharded_state == ShardedState.SHARDED and self._post_forward_buffer is None:
             return
-        if not all(p.is_current() for p in self.fsdp_params) or self._gathered_versions != [
-            p.sharded_version() for p in self.fsdp_params
-        ]:
+        if any(p.is_foreign() or not p.is_current() for p in self.fsdp_params) or (
+            self._gathered_versions != [p.sharded_version() for p in self.fsdp_params]
+        ):
             self.reshard()
 
     def post_forward(self, module: nn.Module) -> None:

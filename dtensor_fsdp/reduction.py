@@ -334,14 +334,22 @@ class GradientReduction:
         post_divisor: float,
         streams: CommStreams,
     ) -> None:
-        """Divide once, run the user's hook, and land each param's chunk on its ``.grad``
+        """Divide once and run the user's hook (in torch's order), and land each param's
+        chunk on its ``.grad``
         (CPU offload: copied to the host, asynchronously where nothing reads it there
         before the end of backward, which then waits for `offload_event`)."""
-        if post_divisor != 1.0:
+        # The hook sees what torch's sees: torch divides inside the collective (AVG,
+        # PREMUL_SUM) for fp32/bf16 unless sums are forced, and after the hook otherwise.
+        divided_in_collective = (
+            not self.force_sum_reduction and reduced.dtype in _NO_OVERFLOW_RISK
+        )
+        if post_divisor != 1.0 and divided_in_collective:
             reduced.div_(post_divisor)
         if self.all_reduce_hook is not None:
             with streams.on_user_stream(self.all_reduce_hook_stream):
                 self.all_reduce_hook(reduced)
+        if post_divisor != 1.0 and not divided_in_collective:
+            reduced.div_(post_divisor)
         to_host = streams.copy_to_host if self.offload else None
         copying = [
             fsdp_param.accumulate_sharded_grad(chunk, to_host)

@@ -123,7 +123,8 @@ class FSDPState:
         groups = [s.group for s in states if s.group is not None]
         # A parameter replaced since fully_shard by another group's sharded param (a tie
         # made after fully_shard) is refused before any group adopts anything.
-        owners = {id(p.sharded_param): p for g in groups for p in g.fsdp_params}
+        tree_params = [p for g in groups for p in g.fsdp_params]
+        owners = {id(p.sharded_param): p for p in tree_params}
         for group in groups:
             group.check_replacements(owners)
         # Groups first: one that refuses (params still on meta) leaves no state rooted.
@@ -134,6 +135,8 @@ class FSDPState:
             state.ctx = ctx
             state.root = self
             state.is_root = state is self
+            if state.group is not None:
+                state.group.tree_params = tree_params
         # The root's params are needed as soon as backward starts: keep them unsharded.
         if self.group is not None and self.auto_reshard_after_forward:
             self.group.reshard_after_forward = False

@@ -245,7 +245,7 @@ def save_full_state_dict(module: nn.Module, path: str, *, format: str = "safeten
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     temporary = f"{path}.tmp"
     if format == "torch":
-        full = {key: _full_on_host(value) for key, value in state_dict.items()}
+        full = {key: _gathered(value, is_writer) for key, value in state_dict.items()}
         if is_writer:
             torch.save(full, temporary)
     else:
@@ -254,7 +254,7 @@ def save_full_state_dict(module: nn.Module, path: str, *, format: str = "safeten
             if file is not None:
                 file.write(encode_header(header))
             for value in state_dict.values():
-                full = _full_on_host(value)  # every rank: a collective for a DTensor
+                full = _gathered(value, file is not None)
                 if file is not None:
                     write_tensor(file, full)
                 del full  # before the next gather: one full tensor at a time
@@ -266,9 +266,11 @@ def save_full_state_dict(module: nn.Module, path: str, *, format: str = "safeten
         dist.barrier()
 
 
-def _full_on_host(value: torch.Tensor) -> torch.Tensor:
+def _gathered(value: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    """``value`` in full on the host where ``keep`` (the writer); every rank gathers,
+    since a DTensor's ``full_tensor`` is a collective, and the others drop it at once."""
     full = value.full_tensor() if isinstance(value, DTensor) else value
-    return full.detach().cpu()
+    return full.detach().cpu() if keep else None
 
 
 def load_full_state_dict(path: str) -> dict[str, torch.Tensor]:

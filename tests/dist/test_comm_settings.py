@@ -12,7 +12,9 @@ ours, 2 gloo ranks, the 3-group MLP of test_comm.py:
   of its own, so torch's allocation falls back to the usual one; torch's CPU build
   refuses symmetric memory, ours ignores it).
 - ``set_all_reduce_hook(hook, stream=)``: on the host the stream changes nothing; the
-  hook scales the reduced gradients exactly as torch's does.
+  hook scales the reduced gradients exactly as torch's does. A non-linear hook sees
+  what torch's sees: the averaged gradients, or with
+  ``set_force_sum_reduction_for_comms(True)`` the sums (divided after the hook).
 
 The refusals are in tests/unit/test_errors.py; the hook's stream on an accelerator in
 tests/dist/test_streams.py.
@@ -143,6 +145,24 @@ def _hook_with_stream(rank: int, mesh: DeviceMesh) -> dict[str, Any]:
     return {"calls": calls, "records": _train(models, rank)}
 
 
+def _hook_values(rank: int, mesh: DeviceMesh, force_sum: bool) -> dict[str, Any]:
+    """What a non-linear all-reduce hook sees: the mean (torch divides inside the
+    collective) or, with sum-only reductions, the sum (torch divides after the hook)."""
+    base = mlp()
+    models = {impl: shard_mlp(copy.deepcopy(base), mesh, shard=s) for impl, s in IMPLS.items()}
+    seen: dict[str, list[torch.Tensor]] = {impl: [] for impl in IMPLS}
+    for impl, model in models.items():
+
+        def hook(reduced: torch.Tensor, impl: str = impl) -> None:
+            seen[impl].append(reduced.clone())
+            reduced.copy_(reduced.abs().sqrt())  # not linear: the order matters
+
+        for module in (model, model[0], model[2]):
+            module.set_force_sum_reduction_for_comms(force_sum)
+            module.set_all_reduce_hook(hook)
+    return {"seen": seen, "records": _train(models, rank)}
+
+
 def _run(rank: int, world_size: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world_size,))
     return run_scenarios(
@@ -150,6 +170,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
             "separate_group": lambda: _separate_group(rank, mesh),
             "accepted_setters": lambda: _accepted_setters(rank, mesh),
             "hook_with_stream": lambda: _hook_with_stream(rank, mesh),
+            "hook_values": lambda: _hook_values(rank, mesh, force_sum=False),
+            "hook_values_force_sum": lambda: _hook_values(rank, mesh, force_sum=True),
         }
     )
 
@@ -202,4 +224,15 @@ def test_process_group_and_symmetric_memory_allocation_are_accepted(run) -> None
 def test_all_reduce_hook_with_a_stream_on_the_host(run) -> None:
     for rank, rec in enumerate(scenario_records(run, "hook_with_stream")):
         assert rec["calls"] == {"ours": 3 * STEPS, "torch": 3 * STEPS}, f"rank {rank}"
+        _assert_bitwise(rec["records"], rank)
+
+
+@pytest.mark.parametrize("scenario", ["hook_values", "hook_values_force_sum"])
+def test_all_reduce_hook_sees_what_torchs_sees(run, scenario) -> None:
+    for rank, rec in enumerate(scenario_records(run, scenario)):
+        ours, theirs = rec["seen"]["ours"], rec["seen"]["torch"]
+        assert len(ours) == len(theirs) == 3 * STEPS, f"rank {rank}"
+        # Sums and means of 2 fp32 terms: the same bits on both sides.
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            assert torch.equal(a, b), f"rank {rank} call {i}: the hook saw other values"
         _assert_bitwise(rec["records"], rank)

@@ -542,6 +542,49 @@ def test_replaced_parameter_with_the_sharded_layout_is_adopted_after_a_refusal()
         assert model[0].bias is fixed and fixed.grad is not None
 
 
+def test_tie_across_groups_made_after_lazy_init_is_refused() -> None:
+    """The same tie as ``tie_across_groups``, made after the first step: torch's accepts
+    it (and all-gathers the tied values in both groups); ours refuses it at the next
+    all-gather, naming the owner, as at lazy init."""
+    inp = torch.randn(2, 4)
+    with fake_mesh(2) as mesh:
+        for impl in (torch_fully_shard, fully_shard):
+            model = _square_mlp()
+            impl(model[0], mesh=mesh)
+            impl(model, mesh=mesh)
+            model(inp).sum().backward()
+            _tie(model, mesh)
+            if impl is torch_fully_shard:
+                model(inp).sum().backward()  # torch's premise: accepted
+                continue
+            with pytest.raises(ValueError, match="'2.weight' was replaced after fully_shard "
+                               "by the sharded parameter '0.weight'"):
+                model(inp)
+
+
+def test_parameter_replaced_while_kept_unsharded_is_adopted() -> None:
+    """After a no_grad forward the root keeps its unsharded params (as torch's). A
+    sharded-layout replacement registered then is adopted at the next forward; torch's
+    computes with it beside its own unsharded params and fails."""
+    inp = torch.randn(2, 4)
+    with fake_mesh(2) as mesh:
+        for impl in (torch_fully_shard, fully_shard):
+            model = _square_mlp()
+            impl(model[0], mesh=mesh)
+            impl(model, mesh=mesh)
+            with torch.no_grad():
+                model(inp)
+            fixed = nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]))
+            model[2].weight = fixed
+            if impl is torch_fully_shard:
+                with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+                    model(inp)
+                continue
+            model(inp).sum().backward()
+            assert model[2].weight is fixed and fixed.grad is not None
+            assert torch.equal(fixed.to_local(), torch.ones(2, 4))
+
+
 # Communication setters #
 
 
