@@ -13,13 +13,8 @@ from .api import (
     ReduceScatter,
 )
 from .consistency import CollectiveMismatchError, NonFiniteGradError
-from .fully_shard import (
-    FSDPModule,
-    UnshardHandle,
-    fully_shard,
-    register_fsdp_forward_method,
-    share_comm_ctx,
-)
+from .fsdp_module import FSDPModule, UnshardHandle
+from .fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from .init import init_unsharded
 from .optim import Muon, clip_grad_norm_, get_total_norm, split_muon_params, step_on_local_shards
 from .state_dict import load_full_state_dict, save_full_state_dict

@@ -1,0 +1,506 @@
+"""FSDPModule, the class ``fully_shard`` mixes into each module it shards, with its
+``set_*`` methods and ``unshard``/``reshard``, and UnshardHandle."""
+
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .api import (
+    AllGather,
+    CommPrecisionPolicy,
+    ReduceScatter,
+)
+from .param_group import FSDPParamGroup
+from .state import FSDPState, assign_fqns, max_in_flight_reduce_scatters, state_of
+from .state_dict import validate_state_dict
+from .trace import CommTrace
+
+# Public module class #
+
+
+class FSDPModule:
+    """Mixed into every module passed to ``fully_shard`` (``isinstance(m, FSDPModule)``)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Instances are made by fully_shard's class swap, never constructed directly:
+        # ``FSDPLinear(...)`` builds a plain Linear, as in torch.
+        orig_cls = cls.__mro__[2]
+        self = orig_cls.__new__(orig_cls, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _get_fsdp_state(self) -> FSDPState:
+        state = state_of(self)  # type: ignore[arg-type]
+        assert state is not None, "FSDPModule without FSDP state"
+        return state
+
+    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._get_fsdp_state()]
+        seen: dict[int, FSDPState] = {}
+        for module in self.modules():  # type: ignore[attr-defined]
+            state = state_of(module)
+            if state is not None:
+                seen.setdefault(id(state), state)
+        return list(seen.values())
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``to()``, ``to_empty()``, ``half()``, ``cuda()``...: apply to the sharded params,
+        then re-derive the group's sharded state from what they became (see [Note:
+        re-deriving the sharded state] in param_group.py)."""
+        self.reshard()
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.reset_sharded_params()
+        return result
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # torch raises AssertionError with this wording; the sharded params are views
+        # into per-group buffers and hooks close over FSDP state, neither of which a
+        # generic deepcopy can rebuild.
+        raise AssertionError(
+            "FSDP does not support deepcopy. Please use state dict for serialization. "
+            "dtensor_fsdp: build a new model, fully_shard it, and load_state_dict("
+            "model.state_dict()) into it"
+        )
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """``nn.Module.load_state_dict``, atomic: keys and every value (type, device,
+        shape, dtype) are checked for the whole state dict before any value is copied
+        (see ``validate_state_dict``). Values may be sharded DTensors of any placement or
+        plain full tensors."""
+        original_name = type(self).__mro__[2].__name__  # FSDP<cls>, FSDPModule, <cls>
+        validate_state_dict(self, original_name, state_dict, strict, assign)  # type: ignore[arg-type]
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones. Not recursive."""
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.reshard()
+
+    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
+        """All-gather the parameters and register the unsharded ones. Not recursive.
+
+        Args:
+            async_op: return an ``UnshardHandle`` to wait on instead of waiting here.
+
+        Returns:
+            An ``UnshardHandle`` if ``async_op``, else ``None``.
+        """
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.unshard(async_op=async_op)
+        return UnshardHandle(group) if async_op else None
+
+    def reset_iter_state(self) -> None:
+        """After an exception in forward or backward, reshard and reset per-iteration
+        state so the next iteration starts clean. Call it on the root."""
+        self._get_fsdp_state().reset_iter_state()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before the optimizer step. Accepted as
+        torch's is; it changes nothing here: every sharded grad has landed when any
+        backward returns (on an accelerator that is a stream wait, which does not block
+        the host, so there is nothing to skip), and CPU-offloaded grads are on the host,
+        as torch makes them whatever this says."""
+        del is_last_backward
+        self._get_fsdp_state()  # the same error as torch's on a module without state
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether backward reduce-scatters gradients. ``False`` accumulates unsharded
+        gradients locally (gradient accumulation without communication)."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether backward all-reduces gradients over the replicate axis. ``False``
+        still reduce-scatters within the shard axis and keeps the partial result, which
+        the next backward with all-reduce adds in (gradient accumulation across nodes
+        at intra-node cost). No effect on a 1-D mesh."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reduction.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether to free the unsharded parameters after forward."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether to free the unsharded parameters after backward. ``False`` keeps them
+        for the next forward (gradient accumulation without re-all-gathering)."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather these modules' parameters right after this module's, in forward."""
+        self._get_fsdp_state().forward_prefetch = [_state_for_prefetch(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather these modules' parameters right after this module's, in backward,
+        instead of the default (the module that ran before this one in forward)."""
+        self._get_fsdp_state().backward_prefetch = [_state_for_prefetch(m) for m in modules]
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Sets how many gradient reduce-scatter input buffers may be in flight at once.
+
+        Each group's reduce-scatter input (its gradients, copied into one buffer) lives
+        until the reduce-scatter is waited. With ``k`` buffers, the oldest in flight is
+        waited before the next group allocates its own, so at most ``k`` exist at once
+        and a group's reduce-scatter may overlap the backward of the next ``k`` groups.
+        The default, ``1`` as in torch's FSDP2, overlaps each reduce-scatter with the
+        next group's backward; a larger value helps only when one reduce-scatter
+        outlasts the next group's whole backward, at the cost of one more group gradient
+        buffer per step of ``k`` (see benchmarks/README.md, ``bench_inflight.py``).
+
+        The whole root's tree uses the largest value set on any of its modules, as in
+        torch. Unlike torch, which reads it once at the first forward, a later call
+        also takes effect (from the next reduce-scatter).
+
+        Args:
+            max_input_buffers (int): reduce-scatter input buffers in flight, ``>= 1``.
+            recurse (bool): Whether to set for all FSDP submodules or just this one.
+
+        Raises:
+            TypeError: ``max_input_buffers`` is not an int (a bool included).
+            ValueError: ``max_input_buffers`` is below 1.
+        """
+        # bool is an int subclass: True must not silently mean 1.
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}: "
+                "pass the number of reduce-scatters in flight, e.g. 1 (the default)"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(
+                f"max_input_buffers must be a positive int, got {max_input_buffers}: use 1 "
+                "(the default: wait for each reduce-scatter before the next is issued) or more"
+            )
+        for state in self._fsdp_states(recurse):
+            state.max_in_flight_reduce_scatters = max_input_buffers
+            root = state.root
+            if root is not None and root.ctx is not None:
+                root.ctx.max_in_flight_reduce_scatters = max_in_flight_reduce_scatters(
+                    root.states_in_tree
+                )
+
+    def set_comm_trace(self, trace: CommTrace | None) -> None:
+        """Record every collective and lifecycle step of this module's tree into
+        ``trace`` (``None`` stops recording), named by their paths from this module.
+        dtensor_fsdp only: not in torch."""
+        states = self._fsdp_states(recurse=True)
+        assign_fqns((self,), states)  # type: ignore[arg-type]
+        for state in states:
+            if state.group is not None:
+                state.group.trace = trace
+
+    def set_divergence_check(
+        self, enabled: bool = True, *, timeout: timedelta | float | None = None
+    ) -> None:
+        """Before every FSDP collective of this root's tree, check that all ranks are
+        about to issue the same one (same module, phase, kind, size and sequence
+        number), so control flow that diverges between ranks raises
+        ``CollectiveMismatchError`` on every rank, naming what each rank was about to
+        do, instead of aborting (gloo) or hanging (NCCL). Costs one small synchronous
+        all-gather per collective. Call it on the root, on every rank. dtensor_fsdp
+        only: not in torch.
+
+        Args:
+            enabled: switch the check on or off, from the next collective on.
+            timeout: how long (seconds or a ``timedelta``) a rank waits for the others
+                at one check before raising; ``None``: the process group's timeout.
+                A short one also fails legitimately slow ranks (a long evaluation or
+                checkpoint on one rank while the others start the next step).
+        """
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        state = self._root_state_for_checks()
+        state.divergence_check = enabled
+        state.divergence_timeout = timeout
+        if state.ctx is not None:
+            state.ctx.check = state.collective_check(state.states_in_tree)
+
+    def set_nonfinite_grad_check(self, enabled: bool = True) -> None:
+        """Before each reduce-scatter of this root's tree, check every rank's unsharded
+        gradients for NaN/Inf; if any rank has one, every rank raises
+        ``NonFiniteGradError`` naming, per offending rank, the first such parameter,
+        before the reduction spreads it to every rank. Off by default: it costs a
+        max-abs per gradient and one small all-gather per reduce-scatter, and fp16
+        training with a GradScaler expects (and skips) occasional Infs. Call it on the
+        root, on every rank. dtensor_fsdp only: not in torch."""
+        state = self._root_state_for_checks()
+        state.nonfinite_grad_check = enabled
+        if state.ctx is not None:
+            state.ctx.check = state.collective_check(state.states_in_tree)
+
+    def _root_state_for_checks(self) -> FSDPState:
+        # Before lazy init the root is not known yet: it reads its own settings then.
+        state = self._get_fsdp_state()
+        if state.ctx is not None and not state.is_root:
+            raise ValueError(
+                "set_divergence_check / set_nonfinite_grad_check apply to a whole FSDP "
+                "tree: call them on its root module, the one whose forward runs first"
+            )
+        return state
+
+    def set_comm_precision(
+        self, policy: CommPrecisionPolicy | None, *, recurse: bool = True
+    ) -> None:
+        """Quantized communication: what the all-gather and the gradient reduction carry
+        for this module's groups (``recurse``: and every FSDP module under it) from the
+        next collective on; ``None`` communicates exactly again. Per-group opt-out: call
+        it with ``None`` on a submodule after setting it on the root. dtensor_fsdp only:
+        not in torch.
+
+        Raises:
+            TypeError: ``policy`` is not a ``CommPrecisionPolicy`` or None.
+        """
+        if policy is not None and not isinstance(policy, CommPrecisionPolicy):
+            raise TypeError(
+                f"set_comm_precision expects a CommPrecisionPolicy or None, got {policy!r}"
+            )
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.set_comm_precision(policy)
+
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """Run this group's all-gathers with ``comm``, which also allocates their output.
+        Not recursive. ``comm`` receives 1-D uint8 tensors (the group's shards as bytes)
+        and is called with ``async_op=True``; it must return a ``Work``."""
+        for group in self._own_groups():
+            group.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Run this group's reduce-scatters with ``comm``, which also allocates their
+        output. Not recursive. ``comm`` gets a 1-D input of W equal chunks and
+        ``ReduceOp.SUM``; FSDP divides afterwards."""
+        for group in self._own_groups():
+            group.reduction.custom_reduce_scatter = comm
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
+        """Call ``hook(reduce_output)`` on this group's reduced gradients, in place,
+        before they land on ``.grad``: the reduce-scatter output (FSDP) or the
+        all-reduce output (HSDP), 1-D. Not recursive.
+
+        Args:
+            hook: ``hook(reduce_output) -> None``; ``None`` removes it.
+            stream: on an accelerator, the stream to run the hook on: it waits for the
+                reduction, and the gradients land after the hook. As in torch, it stays
+                set until another ``stream`` is given, and is refused for native HSDP
+                (there the hook runs where the all-reduce's result is read). On the host
+                (CPU, gloo) there are no streams and it changes nothing.
+
+        Raises:
+            ValueError: ``stream`` with a 2-D (HSDP) mesh; ``stream`` without a hook
+                (also an ``AssertionError``, torch's type, which torch raises at the
+                first backward).
+        """
+        groups = self._own_groups()
+        if stream is not None and any(g.mesh_info.is_hsdp for g in groups):
+            raise ValueError(
+                "stream cannot be set when using native HSDP: the hook runs after the "
+                "replicate all-reduce; call set_all_reduce_hook(hook) without stream"
+            )
+        if stream is not None and hook is None:
+            raise SetterError(
+                "all reduce hook stream is specified but hook itself is missing: pass the "
+                "hook with its stream, or neither"
+            )
+        for group in groups:
+            group.reduction.all_reduce_hook = hook
+            if stream is not None:
+                group.reduction.all_reduce_hook_stream = stream
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Give the root an event marking the end of the optimizer step, to wait on
+        before its next forward's all-gathers; used once, then discarded.
+
+        dtensor_fsdp issues all-gathers from the current stream, which already runs
+        after the optimizer step, so waiting on the event adds no ordering; it is
+        accepted so code written for torch's FSDP2 runs unchanged.
+        """
+        self._get_fsdp_state().post_optim_event = event
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        self.set_gradient_divide_factor(factor)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel world size
+        (e.g. 1.0 when the loss is already a global mean). Recursive."""
+        if factor <= 0:
+            raise ValueError(f"gradient divide factor must be positive, got {factor}")
+        for state in self._fsdp_states(recurse=True):
+            if state.group is not None:
+                state.group.reduction.gradient_divide_factor = factor
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Only ever ask collectives to SUM (no AVG or PREMUL_SUM), dividing separately.
+        Recursive. On gloo this is always the case."""
+        for state in self._fsdp_states(recurse=True):
+            if state.group is not None:
+                state.group.reduction.force_sum_reduction = enable
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Reduce-scatter zeros for trainable parameters that got no gradient, so ranks
+        that used different parameters (conditional compute, MoE) still issue the same
+        collective. Like DDP's ``find_unused_parameters``."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reduction.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Run gradient reduce-scatters on a process group of their own (``True``), or
+        on the shard group shared with the all-gathers again (``False``).
+
+        One communicator runs one collective at a time, so on the shared group a
+        backward all-gather waits for the reduce-scatter issued before it (and vice
+        versa); on two groups over the same ranks they can progress concurrently, as
+        far as the network allows. As in torch, one new group is created per set of
+        shard ranks (``dist.new_group(ranks, use_local_synchronization=True)``) and
+        shared by the groups of one call; a group already separate keeps its own. This
+        is collective for the shard ranks: call it on every rank, in the same order.
+        Any backend (on gloo the reduction is an all-to-all on the new group). HSDP's
+        replicate all-reduce keeps its group.
+
+        Args:
+            enable: ``True`` gives the reduce-scatters their own process group;
+                ``False`` returns them to the shard group.
+            recurse: for every FSDP module under this one, or just this one.
+        """
+        new_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for group in self._groups(recurse):
+            group.reduction.set_separate_reduce_scatter_group(enable, new_groups)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted for torch compatibility; no effect here. Not recursive.
+
+        torch's FSDP2 then allocates its all-gather and reduce-scatter staging buffers
+        with the process group's allocator where the backend has one (NCCL's, for
+        zero-copy transfers over NVLink SHARP or InfiniBand), else as usual; gloo has
+        none, so on the host torch changes nothing either. dtensor_fsdp always uses the
+        caching allocator (its all-gather input is the sharded buffer itself, and
+        NCCL's allocator is not supported yet). Unlike torch, which takes each for a
+        custom comm of the other, it may come before or after ``set_symm_mem_for_comm``.
+
+        Args:
+            enable: whether to allocate from the process group.
+
+        Raises:
+            ValueError: a custom all-gather or reduce-scatter is set on this module
+                (``set_custom_all_gather``, ``set_custom_reduce_scatter``), which
+                allocates its own buffers; also an ``AssertionError``, as in torch.
+        """
+        del enable
+        self._refuse_custom_comms("set_allocate_memory_from_process_group()")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted for torch compatibility; no effect here. Not recursive.
+
+        torch's FSDP2 then allocates its all-gather buffers (and, with
+        ``set_force_sum_reduction_for_comms(True)``, its reduce-scatter buffers) in
+        symmetric memory, so that NCCL can run its copy-engine or symmetric-kernel
+        all-gather; a torch build without symmetric memory (a CPU one) raises
+        ``RuntimeError`` instead. dtensor_fsdp always uses the caching allocator; the
+        arguments are checked as torch checks them.
+
+        Args:
+            backend: the symmetric memory backend: ``"NCCL"`` (torch documents only
+                it; ``"CUDA"`` and ``"NVSHMEM"`` are torch's other names).
+
+        Raises:
+            ValueError: ``backend`` is none of those (also a ``RuntimeError``, as in
+                torch); a custom all-gather or reduce-scatter is set on this module (also
+                an ``AssertionError``, as in torch).
+        """
+        if backend not in _SYMMETRIC_MEMORY_BACKENDS:
+            raise SymmetricMemoryBackendError(
+                f"SymmetricMemory does not find allocation backend {backend}: pass "
+                f"one of {_SYMMETRIC_MEMORY_BACKENDS} (torch's FSDP2 documents 'NCCL')"
+            )
+        self._refuse_custom_comms("set_symm_mem()")
+
+    def _refuse_custom_comms(self, method: str) -> None:
+        for group in self._own_groups():
+            for kind, comm in (
+                ("all gather", group.custom_all_gather),
+                ("reduce scatter", group.reduction.custom_reduce_scatter),
+            ):
+                if comm is not None:
+                    raise SetterError(
+                        f"cannot call {method} when {kind} comm is custom: "
+                        f"{type(comm).__name__}. A custom {kind} allocates its own buffers"
+                    )
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward needs this group's parameters. ``False`` skips the backward
+        all-gather (an expert setting, e.g. an embedding). Not recursive."""
+        for group in self._own_groups():
+            group.unshard_in_backward = unshard_in_backward
+
+    def _own_groups(self) -> list[FSDPParamGroup]:
+        group = self._get_fsdp_state().group
+        return [group] if group is not None else []
+
+    def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
+        return [s.group for s in self._fsdp_states(recurse) if s.group is not None]
+
+
+# torch 2.13's symmetric memory allocation backends (torch.distributed._symmetric_memory).
+_SYMMETRIC_MEMORY_BACKENDS = ("NCCL", "CUDA", "NVSHMEM")
+
+
+class SetterError(ValueError, AssertionError):
+    """An ``FSDPModule.set_*`` call torch's FSDP2 refuses with an AssertionError. A
+    ValueError (a user mistake), and an AssertionError: torch's type."""
+
+
+class SymmetricMemoryBackendError(ValueError, RuntimeError):
+    """``set_symm_mem_for_comm`` with an unknown backend. A ValueError (a user mistake),
+    and a RuntimeError: what torch's symmetric memory raises for it."""
+
+
+def _state_for_prefetch(module: Any) -> FSDPState:
+    state = state_of(module) if isinstance(module, nn.Module) else None
+    if state is None:
+        raise ValueError(
+            f"prefetch targets must be modules passed to fully_shard, got {type(module).__name__}"
+        )
+    return state
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard."""
+
+    def __init__(self, group: FSDPParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        """Wait for the all-gather and register the unsharded parameters."""
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
