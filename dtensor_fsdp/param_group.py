@@ -362,11 +362,10 @@ class FSDPParamGroup:
         if role is not None:
             streams.wait_for_event(role, self._post_forward_event)
         self._post_forward_event = None
-        # Only a group that can be kept unsharded past its forward or backward is
-        # checked for staleness (`_reshard_if_stale`): no per-param loop for the others.
-        if self._post_forward_buffer is None and not (
-            self.reshard_after_forward and self.reshard_after_backward
-        ):
+        # For `_reshard_if_stale`. Every group: besides the root and
+        # reshard_after_forward/backward=False, an explicit unshard() and hpZ's
+        # post-forward buffer also keep a group's all-gathered values into a forward.
+        if self._post_forward_buffer is None:
             self._gathered_versions = [p.sharded_version() for p in self.fsdp_params]
         with streams.on(role):
             source = self._all_gather_source_now()
