@@ -21,7 +21,8 @@ The lifecycle of a parameter, and the method that performs each step:
 
 import dataclasses
 from datetime import timedelta
-from typing import Any, Callable, ParamSpec, TypeVar
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.nn as nn
@@ -51,8 +52,8 @@ def _run_eagerly(hook: Callable[_P, _R]) -> Callable[_P, _R]:
     graph should capture. Dynamo runs a disabled module hook eagerly, between graphs,
     without a graph break (as it runs torch's), so the compiled forward sees the
     unsharded parameters as plain graph inputs (the modules carry torch's managed-module
-    marks, set in `fully_shard`). It must be the hook itself that is
-    disabled: a hook that calls a disabled function breaks the graph there.
+    marks, set in `fully_shard`). It must be the hook itself that is disabled: a hook
+    that calls a disabled function breaks the graph there.
     """
     return torch._dynamo.disable(hook, recursive=True, reason="dtensor_fsdp hooks run eagerly")
 
