@@ -20,8 +20,8 @@ The lifecycle of a parameter, and the method that performs each step:
 """
 
 import dataclasses
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar
 
 import torch
