@@ -136,6 +136,11 @@ class FSDPParamGroup:
         self._all_gather_source: AllGatherSource | None = None  # what it gathers
         self._all_gather_issued_s = 0.0
         self._all_gather_issued_event: object | None = None  # a device timing event
+        # Recorded on the all-gather's stream right after it: the copy-out waits for it.
+        self._all_gather_event: object | None = None
+        # Whether the in-flight all-gather was issued by an async unshard (a prefetch):
+        # its copy-out releases the output at once, not at the next copy-out.
+        self._all_gather_async = False
         # hpZ on an accelerator: the post-forward buffer is written on the compute
         # stream; the backward all-gather's stream waits for this event before reading.
         self._post_forward_event: object | None = None
@@ -385,7 +390,16 @@ class FSDPParamGroup:
             self._all_gather = all_gather(
                 source.input, source.mesh_info.shard_group, self.custom_all_gather
             )
+            # Everything the copy-out reads was written on this stream: the offload's
+            # host-to-device copy, the copy-in, a custom all-gather's own kernels (it
+            # may return no Work). One event orders them all, at every shard size:
+            # with one rank nothing is gathered and the output is the (cast, copied)
+            # input, so the cast and copy may still overlap the previous block's
+            # compute. torch's FSDP2 instead casts on the compute stream at one rank;
+            # both order the same writes before the copy-out.
+            self._all_gather_event = streams.record_on(role) if role is not None else None
         self._all_gather_source = source
+        self._all_gather_async = async_op
         if not async_op:
             self.wait_for_unshard()
 
@@ -396,6 +410,10 @@ class FSDPParamGroup:
         if result is None:
             return
         assert source is not None
+        if self.training_state == TrainingState.FORWARD and self.ctx is not None:
+            # The previous forward copy-out's output; see [Note: forward all-gather
+            # overlap] (scheduler.py).
+            self.ctx.release_kept_all_gather()
         self._post_forward_buffer = None  # its contents are in the all-gather output now
         world_size = source.mesh_info.shard_size
         with ExitStack() as stack:
@@ -426,7 +444,7 @@ class FSDPParamGroup:
                 )
             for fsdp_param in self.fsdp_params:
                 fsdp_param.finish_copy_out()
-        self._release_all_gather()
+        self._release_copied_out(result, world_size)
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -624,9 +642,12 @@ class FSDPParamGroup:
     def _wait_all_gather(self) -> AllGatherResult | None:
         result, self._all_gather = self._all_gather, None
         source, self._all_gather_source = self._all_gather_source, None
+        event, self._all_gather_event = self._all_gather_event, None
         if result is None:
             return None
         assert source is not None
+        # The all-gather stream's writes (see `unshard`), whatever Work exists.
+        self._streams().wait_for_event(None, event)
         if source.mesh_info.shard_size == 1:
             return result  # nothing was issued (one rank)
         wait_s, waited_event = time.perf_counter(), self._timing_event()
@@ -643,10 +664,29 @@ class FSDPParamGroup:
         return result
 
     def _release_all_gather(self) -> None:
-        """The compute stream has read the all-gather's buffers (copy-out queued): the
-        all-gather stream waits for that before its next allocations may reuse them.
-        The caller drops its references right after."""
+        """An all-gather waited but not copied out (dropped): the all-gather stream
+        waits for the compute stream before its next allocations may reuse the
+        buffers. The caller drops its references right after."""
         self._streams().wait_for_compute(StreamRole.ALL_GATHER)
+
+    def _release_copied_out(self, result: AllGatherResult, world_size: int) -> None:
+        """The copy-out of ``result`` is queued: the all-gather stream waits for it
+        before the output is freed, at the next copy-out for a forward implicit
+        unshard over more than one rank, else now. See [Note: forward all-gather
+        overlap] (scheduler.py); the host has no stream to overlap and frees it at
+        once. The caller drops its references right after."""
+        streams = self._streams()
+        copy_out_event = streams.record_compute()
+        if (
+            streams.has_streams
+            and self.training_state == TrainingState.FORWARD
+            and not self._all_gather_async
+            and world_size > 1
+            and self.ctx is not None
+        ):
+            self.ctx.keep_all_gather(result.output, copy_out_event)
+        else:
+            streams.wait_for_event(StreamRole.ALL_GATHER, copy_out_event)
 
     # Streams #
 

@@ -221,8 +221,12 @@ class GradientReduction:
         # The grads now live in the reduce-scatter input: free the unsharded ones.
         for fsdp_param in with_grad:
             fsdp_param.clear_unsharded_grad()
+        # HSDP: the all-reduce stream reads what compute wrote up to here (the
+        # reduce-scatter input, which is its output at shard size 1; earlier partial
+        # sums) and waits for this event first: a Work orders only the collective.
+        written = ctx.streams.record_compute() if self.mesh_info.is_hsdp else None
         issued = IssuedReduceScatter(
-            result, with_grad, post_divisor, policy, fqn, issued_s, issued_event
+            result, with_grad, post_divisor, policy, fqn, issued_s, issued_event, written
         )
         ctx.enqueue_reduce_scatter(
             lambda: self._finish(issued, ctx),
@@ -301,8 +305,9 @@ class GradientReduction:
         when the scheduler finishes it (the bounded queue, or the end of backward)."""
         streams = ctx.streams
         with streams.on(StreamRole.ALL_REDUCE):
-            # The all-reduce stream waits for the reduce-scatter, not for the compute
-            # queued since.
+            # The all-reduce stream waits for the reduce-scatter and what compute wrote
+            # before it, not for the compute queued since.
+            streams.wait_for_event(StreamRole.ALL_REDUCE, issued.written_event)
             self._wait_reduce_scatter(issued)
             reduced = _finish_any_reduce_scatter(issued.result)
             pending = self._all_reduce_over_replicas(
@@ -457,6 +462,7 @@ class IssuedReduceScatter:
     fqn: str  # the group's, for the checks' messages
     issued_s: float
     issued_event: object | None  # device timing, when tracing on an accelerator
+    written_event: object | None  # HSDP: compute's writes before the issue (see there)
 
 
 @dataclasses.dataclass(frozen=True)

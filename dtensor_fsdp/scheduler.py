@@ -15,7 +15,9 @@ tree. It owns the cross-group decisions:
   stream);
 - whether this backward's final callback has been queued;
 - the streams (`CommStreams`, streams.py) the groups issue their collectives on: side
-  streams on an accelerator, none on the host.
+  streams on an accelerator, none on the host; and in forward the last copied-out
+  all-gather output, kept until the next copy-out (see [Note: forward all-gather
+  overlap]).
 
 Collectives themselves are issued by the groups (param_group.py) through
 collectives.py; this module only decides which group, and when.
@@ -51,6 +53,23 @@ class Prefetchable(Protocol):
 # measured no gain on CPU/gloo; see benchmarks/README.md).
 
 
+# [Note: forward all-gather overlap]
+# An all-gather's output is allocated on the all-gather stream and read by the copy-out
+# on the compute stream; the caching allocator may hand its memory to the next
+# allocation on the all-gather stream as soon as it is freed, so the all-gather stream
+# must wait for the copy-out before the output is freed. Waiting right after each
+# copy-out would order all-gather i+1 after copy-out i, which the host queues behind
+# block i-1's compute. So in forward, as torch's FSDP2 (``comm_ctx.all_gather_state``),
+# an implicit unshard's output is kept alive with its copy-out's event: group i+1's
+# all-gather is issued (and may run) while copy-out i and block i's compute are
+# pending, and before group i+1's copy-out the all-gather stream waits for that event
+# and only then is output i freed. The cost is one more all-gather output alive: at most two
+# (the kept one and the one in flight). Explicit (async) prefetches, backward and one
+# rank (nothing gathered) wait right after the copy-out; the root's post-forward and
+# `reset` release the last one. On the host (no streams) nothing is kept: the output is
+# freed once the copy-out has run, as before.
+
+
 class CommContext:
     """Shared per-root scheduling state. See the module docstring."""
 
@@ -75,6 +94,9 @@ class CommContext:
         # HSDP: the same for the replicate-axis all-reduces issued once a group's
         # reduce-scatter finished; bounded by the same number.
         self._pending_all_reduces: deque[tuple[Callable[[], None], Callable[[], None]]] = deque()
+        # The last forward copy-out's all-gather output and the event after that
+        # copy-out; see [Note: forward all-gather overlap].
+        self._kept_all_gather: tuple[object, object] | None = None
 
     # Forward #
 
@@ -91,6 +113,20 @@ class CommContext:
 
     def end_forward(self) -> None:
         self.is_in_forward = False
+        self.release_kept_all_gather()
+
+    def keep_all_gather(self, output: object, copy_out_event: object) -> None:
+        """Keep a forward all-gather's ``output`` alive until the next copy-out: the
+        all-gather stream waits for ``copy_out_event`` only then (see [Note: forward
+        all-gather overlap]). That copy-out released the one kept before."""
+        assert self._kept_all_gather is None
+        self._kept_all_gather = (output, copy_out_event)
+
+    def release_kept_all_gather(self) -> None:
+        """The all-gather stream waits for the kept output's copy-out; then free it."""
+        if self._kept_all_gather is not None:
+            self.streams.wait_for_event(StreamRole.ALL_GATHER, self._kept_all_gather[1])
+            self._kept_all_gather = None
 
     def record_post_forward(self, group: Prefetchable) -> None:
         if not self.post_forward_order or self.post_forward_order[-1] is not group:
@@ -161,3 +197,4 @@ class CommContext:
         self.post_forward_order.clear()
         self.is_in_forward = False
         self.is_backward_callback_queued = False
+        self.release_kept_all_gather()

@@ -16,23 +16,32 @@ result is first needed; what differs between devices is what "issued" and "waite
   of offloaded shards, the collective) run on a side stream, and HSDP's replicate
   all-reduces on another, each ordered with the compute stream only where data flows:
 
-  ========================================  ==========================================
-  dependency                                where
-  ========================================  ==========================================
-  all-gathers read what the optimizer       the root's pre-forward: ``wait_for_compute``
-  wrote                                     (or the user's post-optimizer event)
-  copy-out (compute) reads the output       ``work.wait()`` on the compute stream
-  the next all-gather may reuse the         after each copy-out: ``wait_for_compute``
-  output's memory                           (the side stream waits for the copy-out)
-  hpZ: the backward all-gather reads the    an event recorded at post-forward, waited
-  post-forward buffer                       by the side stream at the backward unshard
-  the all-reduce reads the reduce-scatter   ``work.wait()`` on the all-reduce stream
-  output
-  compute frees what the all-reduce read    ``join`` after issuing it
-  a user's all-reduce hook stream reads     ``on_user_stream``: that stream waits for
-  the reduced gradients; they land after    compute before the hook, compute for it
-  the hook                                  after
-  ========================================  ==========================================
+  ==========================================  ========================================
+  dependency                                  where
+  ==========================================  ========================================
+  all-gathers read what the optimizer wrote   the root's pre-forward: ``wait_for_compute``
+                                              (or the user's post-optimizer event)
+  copy-out (compute) reads what the           an event recorded on the all-gather stream
+  all-gather stream wrote: H2D copy,          after the all-gather, waited by compute
+  copy-in, a custom all-gather's kernels;     (every shard size, whatever ``Work``
+  and the collective itself                   exists); ``work.wait()`` for the collective
+  the next all-gathers may reuse the          the copy-out's event, waited by the
+  output's memory                             all-gather stream: in forward (implicit
+                                              unshards) at the next group's copy-out, so
+                                              all-gather i+1 overlaps copy-out i and
+                                              block i's compute (one more output alive,
+                                              as in torch); otherwise right away
+  hpZ: the backward all-gather reads the      an event recorded at post-forward, waited
+  post-forward buffer                         by the side stream at the backward unshard
+  the all-reduce reads the reduce-scatter     an event recorded on the compute stream
+  input (its output at shard size 1) and      after the reduce-scatter was issued,
+  the partial sums compute wrote              waited by the all-reduce stream; and
+                                              ``work.wait()`` there for the collective
+  compute frees what the all-reduce read      ``join`` after issuing it
+  a user's all-reduce hook stream reads       ``on_user_stream``: that stream waits for
+  the reduced gradients; they land after      compute before the hook, compute for it
+  the hook                                    after
+  ==========================================  ========================================
 
   Reduce-scatters need no side stream: issued from the compute stream right after the
   gradients, they wait for exactly those gradients, and later compute overlaps them on
@@ -65,6 +74,10 @@ class CommStreams:
     there are no streams, a collective's ``work.wait()`` blocks the host, and each
     method here is the no-op (or the plain copy) that correctly stands for it."""
 
+    # Whether work runs on streams that must be ordered; without them FSDP frees
+    # buffers as soon as the host is done with them (no deferred release).
+    has_streams = False
+
     @contextmanager
     def on(self, role: StreamRole | None) -> Iterator[None]:
         """Run the enclosed work (allocations included) on ``role``'s stream; ``None``
@@ -81,9 +94,9 @@ class CommStreams:
     def wait_for_compute(self, role: StreamRole) -> None:
         """``role``'s stream waits for everything queued on the compute stream so far."""
 
-    def wait_for_event(self, role: StreamRole, event: Any) -> None:
-        """``role``'s stream waits for ``event`` (from `record_compute`, or a user's
-        ``torch.Event``)."""
+    def wait_for_event(self, role: StreamRole | None, event: Any) -> None:
+        """``role``'s stream (``None``: the compute stream) waits for ``event`` (from
+        `record_compute`, `record_on`, or a user's ``torch.Event``)."""
         if event is not None:
             event.wait()
 
@@ -92,6 +105,10 @@ class CommStreams:
 
     def record_compute(self) -> Any:
         """An event marking the compute stream's work queued so far, or None."""
+        return None
+
+    def record_on(self, role: StreamRole) -> Any:
+        """An event marking ``role``'s stream's work queued so far, or None."""
         return None
 
     def copy_to_host(self, tensor: torch.Tensor, dtype: torch.dtype, non_blocking: bool) -> Any:
@@ -115,6 +132,8 @@ class DeviceStreams(CommStreams):
     """An accelerator's streams and events (torch's device-module API: ``torch.cuda``
     and alike). Stream priorities follow torch's FSDP2: high for all-gathers, so they
     start as soon as their inputs are ready; default for all-reduces."""
+
+    has_streams = True
 
     def __init__(self, device: torch.device) -> None:
         self._module = torch.get_device_module(device.type)
@@ -151,15 +170,19 @@ class DeviceStreams(CommStreams):
     def wait_for_compute(self, role: StreamRole) -> None:
         self._streams[role].wait_stream(self._current())
 
-    def wait_for_event(self, role: StreamRole, event: Any) -> None:
+    def wait_for_event(self, role: StreamRole | None, event: Any) -> None:
         if event is not None:
-            self._streams[role].wait_event(event)
+            stream = self._streams[role] if role is not None else self._current()
+            stream.wait_event(event)
 
     def join(self, role: StreamRole) -> None:
         self._current().wait_stream(self._streams[role])
 
     def record_compute(self) -> Any:
         return self._current().record_event()
+
+    def record_on(self, role: StreamRole) -> Any:
+        return self._streams[role].record_event()
 
     def wait_on_host(self, event: Any) -> None:
         if event is not None:
