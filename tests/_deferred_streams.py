@@ -59,7 +59,9 @@ class _Write:
     """One side-stream write not yet released to compute."""
 
     seq: int  # the stream's op number
-    tensor: "weakref.ref[torch.Tensor]"
+    # An alias of the written memory: the op's own output or view may be a temporary
+    # (a column view of a buffer), and its Python object is watched for frees.
+    tensor: torch.Tensor
     value: torch.Tensor  # what the op wrote (poison after a stale read)
 
 
@@ -195,10 +197,9 @@ class DeferredStreams(CommStreams):
         keep = []
         with _disable_current_modes(), torch.no_grad():
             for write in self._pending[role]:
-                tensor = write.tensor()
-                if tensor is not None and write.seq <= upto:
-                    _assign(tensor, write.value)
-                elif tensor is not None:
+                if write.seq <= upto:
+                    _assign(write.tensor, write.value)
+                else:
                     keep.append(write)
         self._pending[role] = keep
 
@@ -206,13 +207,11 @@ class DeferredStreams(CommStreams):
         """Unpoison (or poison again) ``role``'s pending writes, in issue order."""
         with _disable_current_modes(), torch.no_grad():
             for write in self._pending[role]:
-                tensor = write.tensor()
-                if tensor is not None:
-                    if visible:
-                        _assign(tensor, write.value)
-                    else:
-                        with _preserved_version(tensor):
-                            _poison(tensor)
+                if visible:
+                    _assign(write.tensor, write.value)
+                else:
+                    with _preserved_version(write.tensor):
+                        _poison(write.tensor)
 
     def _run_on_compute(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
@@ -244,7 +243,7 @@ class DeferredStreams(CommStreams):
                 value = tensor.detach().clone()
                 if stale:
                     _poison(value)
-                self._pending[role].append(_Write(self._seq[role], weakref.ref(tensor), value))
+                self._pending[role].append(_Write(self._seq[role], tensor.detach(), value))
                 self._compute_writes.pop(_address(tensor), None)
                 self.deferred_writes += 1
         for tensor in created:
