@@ -15,7 +15,6 @@ post-forward buffer, the forward overlap's deferred wait) and show the backend t
 produces NaN or a hazard: the backend can fail.
 """
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +38,6 @@ from dtensor_fsdp import (
 from tests._deferred_streams import DeferredStreams
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests.dist._mlp import mlp, shard_mlp
-from tests.dist._parity import local_pairs
 
 WORLD_SIZE = 4
 STEPS = 2
@@ -54,8 +52,7 @@ class SyncAllGather(AllGather):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        dist.all_gather_single(output_tensor, input_tensor, group=group)
-        return None
+        dist.all_gather_single(output_tensor, input_tensor, group=group)  # no Work
 
 
 class PlainReduceScatter(ReduceScatter):
@@ -264,9 +261,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
     scenarios: dict[str, Callable[[], Any]] = {
         name: (lambda name=name: _case(rank, name, meshes)) for name in CASES
     }
-    scenarios.update(
-        {name: (lambda name=name: _control(rank, name, meshes)) for name in CONTROLS}
-    )
+    scenarios.update({name: (lambda name=name: _control(rank, name, meshes)) for name in CONTROLS})
     return run_scenarios(scenarios)
 
 

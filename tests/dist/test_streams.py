@@ -8,9 +8,13 @@ on, with the same scheduling code:
 - ``RecordingStreams`` logs every stream call, each collective with the stream it was
   issued on, and each block's compute: FSDP's all-gathers run on the all-gather stream,
   which waits for the compute stream only where data flows, so the next block's
-  all-gather is never ordered after this block's compute (overlap); a user's
-  ``unshard()`` stays on the compute stream; hpZ and HSDP's all-reduce wait for exactly
-  their inputs. Training through it matches torch's ``fully_shard`` bitwise.
+  all-gather is never ordered after this block's compute; copy-out waits for the
+  all-gather stream's event; in forward the all-gather stream waits for a copy-out
+  only at the next copy-out (torch's overlap), with at most two all-gather outputs
+  alive; a user's ``unshard()`` stays on the compute stream; hpZ and HSDP's all-reduce
+  wait for exactly their inputs. Training through it matches torch's ``fully_shard``
+  bitwise. (test_deferred_streams.py runs the same code where a missing wait gives
+  wrong numbers.)
 - ``DeferredCopyStreams`` is a device whose asynchronous device-to-host copies land
   only when the host waits for an event recorded after them (CPU offload's race): the
   grads must be right after every backward, micro-batches included.
@@ -23,10 +27,12 @@ on, with the same scheduling code:
 
 import contextlib
 import copy
+import gc
 import inspect
 import json
 import math
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,6 +80,8 @@ def _root_ctx(model: torch.nn.Module) -> Any:
 class RecordingStreams(CommStreams):
     """Host semantics (work runs at once), plus a log of what a device would order."""
 
+    has_streams = True
+
     def __init__(self) -> None:
         self.log: list[tuple[str, ...]] = []
         self.role: StreamRole | None = None
@@ -94,7 +102,7 @@ class RecordingStreams(CommStreams):
     def wait_for_compute(self, role: StreamRole) -> None:
         self.log.append(("wait_for_compute", self._name(role)))
 
-    def wait_for_event(self, role: StreamRole, event: Any) -> None:
+    def wait_for_event(self, role: StreamRole | None, event: Any) -> None:
         if event is not None:
             self.log.append(("wait_for_event", self._name(role), str(event)))
 
@@ -106,15 +114,30 @@ class RecordingStreams(CommStreams):
         self.log.append(("record_compute", f"event{self._events}"))
         return f"event{self._events}"
 
+    def record_on(self, role: StreamRole) -> str:
+        self._events += 1
+        self.log.append(("record_on", self._name(role), f"event{self._events}"))
+        return f"event{self._events}"
+
 
 @contextmanager
-def _logging_collectives(streams: RecordingStreams) -> Iterator[None]:
-    """Log each all-gather with the stream it is issued on; blocks log their compute."""
+def _logging_collectives(
+    streams: RecordingStreams, alive: list[int] | None = None
+) -> Iterator[None]:
+    """Log each all-gather with the stream it is issued on; blocks log their compute.
+    With ``alive``: after each all-gather, how many all-gather outputs are alive (weak
+    references, after a garbage collection)."""
     original = param_group_module.all_gather
+    outputs: list[weakref.ref[torch.Tensor]] = []
 
     def all_gather(*args: Any, **kwargs: Any) -> Any:
         streams.log.append(("all_gather", streams._name(streams.role)))
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        if alive is not None:
+            outputs.append(weakref.ref(result.output))
+            gc.collect()
+            alive.append(sum(ref() is not None for ref in outputs))
+        return result
 
     param_group_module.all_gather = all_gather
     try:
@@ -156,6 +179,9 @@ class DeferredCopyStreams(CommStreams):
     def wait_on_host(self, event: Any) -> None:
         for destination, source in event or []:
             destination.copy_(source)
+
+    def wait_for_event(self, role: StreamRole | None, event: Any) -> None:
+        pass  # streams run in order here: only the host's copies are deferred
 
 
 class FakeEvent:
@@ -255,13 +281,15 @@ def _schedule(rank: int, mesh: Any) -> dict[str, Any]:
     optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
     records = []
     streams = RecordingStreams()
+    alive: list[int] = []  # all-gather outputs alive after each all-gather
     _log_compute(ours, streams)
     for step in range(2):
         if step == 1:  # after lazy init, which made the host backend
             _root_ctx(ours).streams = streams
             streams.log.clear()  # step 0's compute
-        with _logging_collectives(streams) if step == 1 else contextlib.nullcontext():
+        with _logging_collectives(streams, alive) if step == 1 else contextlib.nullcontext():
             losses = [_loss(m, step, rank) for m in (ours, theirs)]
+            streams.log.append(("backward",))
             for loss in losses:
                 loss.backward()
         records.append({"loss": [loss.item() for loss in losses]})
@@ -276,7 +304,7 @@ def _schedule(rank: int, mesh: Any) -> dict[str, Any]:
         ours[2].unshard()
         explicit = list(streams.log)
         ours[2].reshard()
-    return {"log": step_log, "explicit": explicit, "records": records}
+    return {"log": step_log, "explicit": explicit, "records": records, "alive": alive}
 
 
 def _hpz(rank: int, mesh: Any) -> list[tuple[str, ...]]:
@@ -287,7 +315,9 @@ def _hpz(rank: int, mesh: Any) -> list[tuple[str, ...]]:
     streams = RecordingStreams()
     _root_ctx(model).streams = streams
     with _logging_collectives(streams):
-        _loss(model, 1, rank).backward()
+        loss = _loss(model, 1, rank)
+        streams.log.append(("backward",))
+        loss.backward()
     return streams.log
 
 
@@ -480,40 +510,63 @@ def _assert_equal_pairs(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], wha
 # ---------------------------------------------------------------------------
 
 
-def test_all_gathers_run_on_their_stream_and_overlap_the_previous_blocks_compute(run) -> None:
+def _gathers(log: list[tuple[str, ...]]) -> list[int]:
+    return [i for i, entry in enumerate(log) if entry[0] == "all_gather"]
+
+
+def test_all_gathers_run_on_their_stream_and_copy_out_waits_for_their_event(run) -> None:
     for rank, rec in enumerate(scenario_records(run, "schedule")):
         log = rec["log"]
-        gathers = [i for i, entry in enumerate(log) if entry[0] == "all_gather"]
+        gathers = _gathers(log)
         # Root, block 0, block 2 in forward; blocks 2 and 0 again in backward (the root
         # stays unsharded between forward and backward).
         assert len(gathers) == 5, log
         assert all(log[i] == ("all_gather", "ALL_GATHER") for i in gathers), log
         # The root's pre-forward orders the all-gathers after the optimizer step.
         assert log[0] == ("wait_for_compute", "ALL_GATHER"), log
-        # After each copy-out (before its block computes) the all-gather stream waits
-        # for compute, so it may reuse the buffer; never after a block's compute
-        # started and before the next all-gather: that one overlaps the compute.
-        for gather in gathers[:3]:  # forward
-            computes = [i for i in range(gather) if log[i][0] == "compute"]
-            if computes:
-                waits = [
-                    i
-                    for i in range(computes[-1], gather)
-                    if log[i] == ("wait_for_compute", "ALL_GATHER")
-                ]
-                assert not waits, f"rank {rank}: all-gather {gather} waits for compute: {log}"
         for gather in gathers:
-            assert log[gather + 1] == ("wait_for_compute", "ALL_GATHER"), log
-        # Backward: block 2's all-gather, its copy-out, then block 0's prefetch, issued
-        # before block 2's backward compute is queued.
-        assert log[gathers[3] :] == [
-            ("all_gather", "ALL_GATHER"),
-            ("wait_for_compute", "ALL_GATHER"),
-            ("all_gather", "ALL_GATHER"),
-            ("wait_for_compute", "ALL_GATHER"),
-        ], log
+            # An event on the all-gather stream right after the all-gather, which the
+            # compute stream waits for before the copy-out (whatever Work exists).
+            kind, stream, event = log[gather + 1]
+            assert (kind, stream) == ("record_on", "ALL_GATHER"), (rank, log)
+            assert ("wait_for_event", "compute", event) in log[gather + 2 :], (rank, log)
         # A user's unshard() runs on the compute stream, as torch's does.
         assert rec["explicit"][0] == ("all_gather", "compute"), rec["explicit"]
+
+
+def test_forward_all_gather_overlaps_the_previous_copy_out_and_compute(run) -> None:
+    """torch's forward overlap (``FSDPParamGroup.wait_for_unshard`` with
+    ``comm_ctx.all_gather_state``): in forward, after copy-out i, torch records an event
+    and keeps all-gather i's result; group i+1's all-gather is issued with no wait on
+    that event, and group i+1's ``wait_for_unshard`` makes the all-gather streams wait
+    for it and only then frees result i. torch on CPU has no streams to observe, so
+    the property is checked on ours: the all-gather stream never waits for the latest
+    copy-out (nor for compute) before the next forward all-gather is issued; it waits
+    for it before the next copy-out completes; at most two all-gather outputs are
+    alive, and two are (the cost torch pays). In backward, as torch's, each copy-out
+    is waited right away."""
+    for rank, rec in enumerate(scenario_records(run, "schedule")):
+        log = rec["log"]
+        gathers = _gathers(log)
+        backward = log.index(("backward",))
+        copy_outs = [i for i, e in enumerate(log) if e[0] == "record_compute"]
+        for gather in gathers[1:3]:  # forward, after the root's
+            latest = max(i for i in copy_outs if i < gather)  # the previous group's
+            event = log[latest][1]
+            between = log[latest:gather]
+            assert ("wait_for_event", "ALL_GATHER", event) not in between, (rank, log)
+            assert ("wait_for_compute", "ALL_GATHER") not in between, (rank, log)
+            next_copy_out = min(i for i in copy_outs if i > gather)
+            assert ("wait_for_event", "ALL_GATHER", event) in log[gather:next_copy_out], log
+        # The last forward copy-out is released by the end of forward.
+        for index in (i for i in copy_outs if i < backward):
+            waited = ("wait_for_event", "ALL_GATHER", log[index][1])
+            assert waited in log[index:backward], (rank, log)
+        for index in (i for i in copy_outs if i > backward):
+            assert log[index + 1] == ("wait_for_event", "ALL_GATHER", log[index][1]), log
+        forward_alive, backward_alive = rec["alive"][:3], rec["alive"][3:]
+        assert max(forward_alive) == 2, rec["alive"]  # one kept while the next gathers
+        assert backward_alive == [1, 1], rec["alive"]
 
 
 def test_training_through_the_streams_matches_torch(run) -> None:
@@ -526,30 +579,39 @@ def test_training_through_the_streams_matches_torch(run) -> None:
 
 def test_hpz_backward_all_gather_waits_for_the_post_forward_buffer(run) -> None:
     for log in scenario_records(run, "hpz"):
-        events = [entry[1] for entry in log if entry[0] == "record_compute"]
-        assert len(events) == 3, log  # the root and blocks 0, 2 keep 1/2 of their params
-        for event in events:
-            recorded = log.index(("record_compute", event))
+        backward = log.index(("backward",))
+        # Compute events of forward: the copy-outs' (the all-gather stream waits for
+        # each within forward) and the post-forward buffers'.
+        recorded = [e[1] for e in log[:backward] if e[0] == "record_compute"]
+        waited_in_forward = {
+            e[2] for e in log[:backward] if e[:2] == ("wait_for_event", "ALL_GATHER")
+        }
+        post_forward = [event for event in recorded if event not in waited_in_forward]
+        # The root and blocks 0, 2 keep 1/2 of their params. Recorded in forward,
+        # waited in backward: not right away, which would order the next block's
+        # forward all-gather after this block's compute.
+        assert len(post_forward) == 3, log
+        for event in post_forward:
             waited = log.index(("wait_for_event", "ALL_GATHER", event))
             gathers = [i for i in range(waited, len(log)) if log[i][0] == "all_gather"]
-            assert recorded < waited < gathers[0], log
-        # Recorded in forward, waited in backward: not right away, which would order
-        # the next block's forward all-gather after this block's compute.
-        first_wait = min(i for i, e in enumerate(log) if e[0] == "wait_for_event")
-        assert first_wait > log.index(("record_compute", events[-1])), log
+            assert backward < waited < gathers[0], log
 
 
 def test_hsdp_all_reduce_waits_for_its_reduce_scatter_not_for_compute(run) -> None:
     for rank, rec in enumerate(scenario_records(run, "hsdp")):
         log = rec["log"]
-        # One join per group after its all-reduce was issued on the all-reduce stream
-        # (compute may then free what it read); one wait_for_compute per landing (the
-        # all-reduce stream may reuse its buffers once compute read them). Never a
-        # wait of the all-reduce stream for compute before the all-reduce is issued.
+        # Per group: the all-reduce stream waits for an event compute recorded when the
+        # reduce-scatter was issued (its input, and at shard size 1 its output, were
+        # written before), not for all compute queued since; one join after its
+        # all-reduce was issued (compute may then free what it read); one
+        # wait_for_compute per landing (the all-reduce stream may reuse its buffers once
+        # compute read them), never before the all-reduce is issued.
+        inputs = [i for i, e in enumerate(log) if e[:2] == ("wait_for_event", "ALL_REDUCE")]
         joins = [i for i, e in enumerate(log) if e == ("join", "ALL_REDUCE")]
         landings = [i for i, e in enumerate(log) if e == ("wait_for_compute", "ALL_REDUCE")]
-        assert len(joins) == len(landings) == 3, log
-        assert all(j < landing for j, landing in zip(joins, landings, strict=True)), log
+        assert len(inputs) == len(joins) == len(landings) == 3, log
+        for wait, join, landing in zip(inputs, joins, landings, strict=True):
+            assert log.index(("record_compute", log[wait][2])) < wait < join < landing, log
         _assert_equal_pairs(rec["grads"], f"rank {rank} HSDP grad")
 
 
@@ -589,9 +651,16 @@ def test_device_streams_call_torch_cudas_api(run) -> None:
     for rank, rec in enumerate(scenario_records(run, "device_streams")):
         assert rec["created"] == 2  # the all-gather and all-reduce streams
         calls = rec["calls"]
-        # The root's pre-forward, then one wait after each of the 5 copy-outs: always
-        # the all-gather stream (side1) waiting for compute.
-        assert calls == [("wait_stream", "side1", "compute")] * 6, calls
+        # The root's pre-forward: the all-gather stream (side1) waits for compute. Per
+        # copy-out, compute waits for side1's event, and side1 for the copy-out's event:
+        # in forward at the next copy-out (the root's at block 0's, block 2's at the end
+        # of forward), in backward right away.
+        copy_out, release = ("wait_event", "compute"), ("wait_event", "side1")
+        assert calls == [
+            ("wait_stream", "side1", "compute"),
+            *[copy_out, copy_out, release, copy_out, release, release],
+            *[copy_out, release] * 2,
+        ], calls
         _assert_equal_pairs(rec["grads"], f"rank {rank} grad")
 
 
