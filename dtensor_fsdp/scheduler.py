@@ -63,11 +63,11 @@ class Prefetchable(Protocol):
 # an implicit unshard's output is kept alive with its copy-out's event: group i+1's
 # all-gather is issued (and may run) while copy-out i and block i's compute are
 # pending, and before group i+1's copy-out the all-gather stream waits for that event
-# and only then is output i freed. The cost is one more all-gather output alive: at most two
-# (the kept one and the one in flight). Explicit (async) prefetches, backward and one
-# rank (nothing gathered) wait right after the copy-out; the root's post-forward and
-# `reset` release the last one. On the host (no streams) nothing is kept: the output is
-# freed once the copy-out has run, as before.
+# and only then is output i freed. The cost is one more all-gather output alive: at
+# most two (the kept one and the one in flight). Explicit (async) prefetches, backward
+# and one rank (nothing gathered) wait right after the copy-out; the root's
+# post-forward and `reset` release the last one. On the host (no streams) nothing is
+# kept: the output is freed once the copy-out has run, as before.
 
 
 class CommContext:

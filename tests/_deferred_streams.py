@@ -136,7 +136,8 @@ class DeferredStreams(CommStreams):
     def __init__(self, dropped: frozenset[tuple[str, str]] = frozenset()) -> None:
         """Args:
         dropped: (waiting stream, event's stream) pairs, by role name or "compute",
-            whose ``wait_for_event`` calls are ignored: a control that removes a wait.
+            whose ``wait_for_event`` calls are ignored, and (role name, "all compute")
+            for ``wait_for_compute``: a control that removes a wait.
         """
         self.dropped = dropped
         self.role: StreamRole | None = None
@@ -168,7 +169,8 @@ class DeferredStreams(CommStreams):
             self.role = outer
 
     def wait_for_compute(self, role: StreamRole) -> None:
-        self._seen[role] = self._clock
+        if (role.name, "all compute") not in self.dropped:
+            self._seen[role] = self._clock
 
     def wait_for_event(self, role: StreamRole | None, event: Any) -> None:
         if event is None:

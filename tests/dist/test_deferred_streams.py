@@ -11,7 +11,8 @@ arithmetic is torch's too (2-addend sums), also torch's ``fully_shard``'s.
 
 The controls remove one wait each (the copy-out's wait for the all-gather stream, the
 HSDP all-reduce stream's wait for the reduce-scatter input, hpZ's wait for the
-post-forward buffer, the forward overlap's deferred wait) and show the backend then
+post-forward buffer, the forward overlap's deferred wait, the root pre-forward's wait
+for the optimizer) and show the backend then
 produces NaN or a hazard: the backend can fail.
 """
 
@@ -235,6 +236,7 @@ CONTROLS = {
     "no_all_reduce_wait": ("hsdp_2x1", {("ALL_REDUCE", "compute")}),
     "no_hpz_wait": ("hpz", {("ALL_GATHER", "compute")}),
     "no_overlap_wait": ("fsdp2", set()),
+    "no_post_optimizer_wait": ("fsdp2", {("ALL_GATHER", "all compute")}),
 }
 
 
@@ -294,6 +296,14 @@ def test_without_the_all_reduce_wait_hsdp_reads_an_unfinished_input(run) -> None
     # HSDP (2, 1): no reduce-scatter Work; the all-reduce stream reads the buffer
     # compute wrote, unordered: its result is poison, so are the grads.
     for rank, rec in enumerate(scenario_records(run, "no_all_reduce_wait")):
+        assert rec["stale_reads"] > 0 and rec["vs_host"], f"rank {rank}: {rec}"
+
+
+def test_without_the_root_pre_forward_wait_all_gathers_read_unfinished_optimizer_writes(
+    run,
+) -> None:
+    for rank, rec in enumerate(scenario_records(run, "no_post_optimizer_wait")):
+        # Step 1's all-gathers read the sharded params step 0's optimizer wrote.
         assert rec["stale_reads"] > 0 and rec["vs_host"], f"rank {rank}: {rec}"
 
 
