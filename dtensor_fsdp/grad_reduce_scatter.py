@@ -15,6 +15,7 @@ from .collectives import (
     QuantizedReduceScatterResult,
     ReduceScatterResult,
     ReductionPlan,
+    copy_in_grads,
     finish_quantized_reduce_scatter,
     finish_reduce_scatter,
     quantized_reduce_scatter,
@@ -40,9 +41,12 @@ class IssuedReduceScatter:
 def collect_grads(
     fsdp_params: list[FSDPParam], reduce_scatter_unused_params: bool
 ) -> tuple[list[FSDPParam], list[torch.Tensor]]:
-    """The params with a grad to reduce and their grads (in their order)."""
+    """The params with a grad to reduce and their grads (in their order), taken from the
+    params: the returned list holds the only references, so dropping it frees them."""
     # One call each: for TP, turning a Partial grad into its placements communicates.
     to_reduce = [(p, p.grad_to_reduce()) for p in fsdp_params]
+    for fsdp_param in fsdp_params:
+        fsdp_param.clear_unsharded_grad()
     if reduce_scatter_unused_params:
         # Every rank must issue the same collective even if some rank left a
         # parameter unused this step (conditional compute, MoE): send zeros.
@@ -99,24 +103,38 @@ def issue_reduce_scatter(
     reduce_dtype: torch.dtype,
     group: dist.ProcessGroup,
     plan: ReductionPlan,
+    pre_divisor: float,
     policy: CommPrecisionPolicy | None,
     residuals: list[torch.Tensor | None] | None,
 ) -> ReduceScatterResult | QuantizedReduceScatterResult:
-    """Issue one reduce-scatter of ``grads``: exact, or with the quantized legs of
-    ``policy`` where ``is_quantized`` (``residuals``: their error feedback, or None)."""
-    if any(is_quantized):
-        assert policy is not None and policy.reduce_scatter is not None
-        return quantized_reduce_scatter(
-            grads,
-            is_quantized,
-            reduce_dtype,
-            group,
-            plan,
-            policy.reduce_scatter,
-            policy.block_size,
-            residuals,
-        )
-    return reduce_scatter(grads, reduce_dtype, group, plan, async_op=True)
+    """Issue one reduce-scatter of ``grads`` (divided by ``pre_divisor`` first): exact, or
+    with the quantized legs of ``policy`` where ``is_quantized`` (``residuals``: their
+    error feedback, or None). Takes ``grads``: the list is emptied once they are copied
+    in, so they are freed before the collective's output exists (torch frees them at
+    the same point)."""
+    if not any(is_quantized):
+        reduce_input = copy_in_grads(grads, reduce_dtype, group.size())
+        grads.clear()
+        if pre_divisor != 1.0:
+            # In place, as torch's: the same division of the same values as dividing
+            # each cast grad before the copy.
+            reduce_input.div_(pre_divisor)
+        return reduce_scatter(reduce_input, group, plan, async_op=True)
+    assert policy is not None and policy.reduce_scatter is not None
+    cast = [grad.to(reduce_dtype) for grad in grads]
+    grads.clear()
+    if pre_divisor != 1.0:
+        cast = torch._foreach_div(cast, pre_divisor)
+    return quantized_reduce_scatter(
+        cast,
+        is_quantized,
+        reduce_dtype,
+        group,
+        plan,
+        policy.reduce_scatter,
+        policy.block_size,
+        residuals,
+    )
 
 
 def finish_any_reduce_scatter(

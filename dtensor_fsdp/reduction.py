@@ -141,11 +141,19 @@ class GradientReduction:
             and policy.param_filter(fsdp_param.fqn, fsdp_param.sharded_param)
         )
 
-    def reduce_scatter(self, ctx: CommContext, fqn: str) -> None:
-        """Issue one reduce-scatter of every unsharded grad of the group (``fqn``); ``ctx``
-        finishes it (waits, reduces over replicas, lands the sharded grads) when its turn
-        comes."""
-        with_grad, grads = collect_grads(self.fsdp_params, self.reduce_scatter_unused_params)
+    def take_grads(self) -> tuple[list[FSDPParam], list[torch.Tensor]]:
+        """The group's params with a grad to reduce, and their unsharded grads (taken
+        from the params: post-backward reshards before `reduce_scatter` allocates its
+        input, as torch's does, so the unsharded params are freed first)."""
+        return collect_grads(self.fsdp_params, self.reduce_scatter_unused_params)
+
+    def reduce_scatter(
+        self, ctx: CommContext, fqn: str, taken: tuple[list[FSDPParam], list[torch.Tensor]]
+    ) -> None:
+        """Issue one reduce-scatter of the grads `take_grads` took from the group
+        (``fqn``); the grads are freed once copied into its input. ``ctx`` finishes it
+        (waits, reduces over replicas, lands the sharded grads) when its turn comes."""
+        with_grad, grads = taken
         if not with_grad:
             return
         # Wait for the oldest in flight before this group's buffer exists: at most
@@ -167,7 +175,6 @@ class GradientReduction:
         policy = self.comm_precision
         is_quantized = [self._quantizes(p, policy, replicate_leg=False) for p in with_grad]
         plan = quantized_plan(plan, policy, is_quantized)
-        grads = [grad.to(reduce_dtype) for grad in grads]
         if ctx.check is not None and ctx.check.applies_to("reduce_scatter"):
             ctx.check.before(
                 self.reduce_scatter_group,
@@ -177,7 +184,10 @@ class GradientReduction:
                 "reduce_scatter",
                 sum(g.numel() for g in grads) * reduce_dtype.itemsize,
                 grad_names=[p.fqn for p in with_grad],
-                first_nonfinite=first_nonfinite(grads) if ctx.check.finite_grads else -1,
+                # As the collective will carry them: a cast may overflow (fp32 to fp16).
+                first_nonfinite=first_nonfinite([g.to(reduce_dtype) for g in grads])
+                if ctx.check.finite_grads
+                else -1,
             )
         pre_divisor, post_divisor = gradient_divisors(
             plan,
@@ -186,8 +196,6 @@ class GradientReduction:
             self.mesh_info.shard_size,
             self.mesh_info.replicate_size,
         )
-        if pre_divisor != 1.0:
-            grads = torch._foreach_div(grads, pre_divisor)
         issued_s, issued_event = time.perf_counter(), self._timing_event()
         residuals = (
             self._error_feedback.residuals(with_grad, is_quantized, self.mesh_info.shard_size)
@@ -195,11 +203,15 @@ class GradientReduction:
             else None
         )
         result = issue_reduce_scatter(
-            grads, is_quantized, reduce_dtype, self.reduce_scatter_group, plan, policy, residuals
+            grads,
+            is_quantized,
+            reduce_dtype,
+            self.reduce_scatter_group,
+            plan,
+            pre_divisor,
+            policy,
+            residuals,
         )
-        # The grads now live in the reduce-scatter input: free the unsharded ones.
-        for fsdp_param in with_grad:
-            fsdp_param.clear_unsharded_grad()
         issued = IssuedReduceScatter(
             result, with_grad, post_divisor, policy, fqn, issued_s, issued_event
         )
@@ -258,8 +270,11 @@ class GradientReduction:
         # Compute frees what the all-reduce stream read: the reduce-scatter's buffers and
         # the partial sums of micro-batches without all-reduce.
         streams.join(StreamRole.ALL_REDUCE)
+        # The closure holds the divisor, not `issued`: that would keep the reduce-scatter's
+        # input (and output) alive until the all-reduce lands, two inputs at once.
+        post_divisor = issued.post_divisor
         ctx.enqueue_all_reduce(
-            lambda: self._land_all_reduced(pending, issued.post_divisor, streams), pending.wait
+            lambda: self._land_all_reduced(pending, post_divisor, streams), pending.wait
         )
 
     def _land_all_reduced(
