@@ -1,11 +1,16 @@
 """GradientReduction: one group's gradients, from unsharded grads to sharded ``.grad``.
 
-Post-backward hands it the group's unsharded grads: it packs them into one
-reduce-scatter (zeros for unused parameters if asked), and when the scheduler finishes
-that collective, reduces over HSDP's replicate axis (one all-reduce, or a partial sum
-kept for later with ``set_requires_all_reduce(False)``), divides once by the data
-parallel world size (or the user's factor), runs the user's all-reduce hook and lands
-each parameter's chunk on its sharded ``.grad``.
+Post-backward has it take the group's unsharded grads (zeros for unused parameters if
+asked), reshards, then has it pack them into one reduce-scatter (torch's order: the
+unsharded params are freed before the reduce-scatter input exists). When the scheduler
+finishes that collective, it reduces over HSDP's replicate axis (one all-reduce, or a
+partial sum kept for later with ``set_requires_all_reduce(False)``), divides once by the
+data parallel world size (or the user's factor), runs the user's all-reduce hook and
+lands each parameter's chunk on its sharded ``.grad``.
+
+Each job has its own module: grad_reduce_scatter.py (the issue), replica_reduction.py
+(HSDP's replicate axis), error_feedback.py, grad_landing.py (divide, hook, ``.grad``);
+this class holds the ``set_*`` knobs and the order.
 """
 
 import time
