@@ -361,9 +361,10 @@ def test_reduce_scatters_in_flight_change_no_gradient(in_flight: list, setting: 
 # creates (the all-gather's buffers, unsharded params, grads, the reduce-scatter's
 # input and outputs, ours' all-to-all receive buffer), every resize of a storage (both
 # FSDPs free and refill unsharded params that way), every storage freed. Neither side
-# counts what a backend allocates inside a collective: gloo's copies inside torch's
-# reduce_scatter_tensor are invisible, while ours' all-to-all receive buffer, a Python
-# tensor, is counted, so the comparison leans against ours.
+# counts what a backend allocates inside a collective: gloo runs torch's
+# reduce_scatter_tensor as an all-reduce of a copy of the whole input, invisible, while
+# ours' all-to-all receive buffer (as large), a Python tensor, is counted: the
+# comparison leans against ours.
 
 
 class _LiveBytes(TorchDispatchMode):
