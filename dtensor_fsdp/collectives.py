@@ -102,8 +102,9 @@ def _is_backend(backend: object | None, class_name: str) -> bool:
 class ReduceScatterResult:
     """An issued reduce-scatter; `finish_reduce_scatter` turns it into averaged chunks."""
 
-    input: torch.Tensor  # (W, shard_numel); referenced until the wait so it is not reused
-    # (all-to-all: its storage is freed once waited, in `finish_reduce_scatter`)
+    # (W, shard_numel); referenced until the wait so it is not reused (all-to-all: then
+    # `finish_reduce_scatter` frees its storage)
+    input: torch.Tensor
     output: torch.Tensor  # (shard_numel,) or, for all-to-all, (W, shard_numel)
     work: dist.Work | None
     plan: ReductionPlan
