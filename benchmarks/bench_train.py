@@ -37,8 +37,14 @@ Method, in four phases (the third optional):
    Tensors that C++ code allocates while the mode is active (DDP's buckets) go through
    the dispatcher and are counted; scratch buffers that gloo allocates on its own
    threads are not (nor are they on CUDA's side: NCCL's buffers are outside the
-   caching allocator). RSS is not used: it does not shrink when tensors are freed and it
-   counts the interpreter. The profiler's CPU memory events were tried and rejected:
+   caching allocator). That leans against ours on gloo: ours reduce-scatters by an
+   all-to-all whose receive buffer (as large as the input) is a Python tensor and is
+   counted, while what gloo allocates inside torch's ``reduce_scatter_tensor`` (an
+   all-reduce of a copy of the input) is not. So the peak is also reported without the
+   all-to-all receive buffers (``peak-a2a``: the largest of live bytes after each op
+   less the receive buffers alive then; the same as the peak for every other impl).
+   RSS is not used: it does not shrink when tensors are freed and it counts the
+   interpreter. The profiler's CPU memory events were tried and rejected:
    frees made on gloo's threads are not reported, so their running sum drifts upward.
 
    *Collectives* of the FSDP variants are recorded at the c10d op level by a
@@ -85,6 +91,7 @@ import json
 import os
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -95,9 +102,12 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, schedule
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 try:
     import dtensor_fsdp
@@ -315,12 +325,58 @@ def total_bytes(snapshot: dict[torch.device, dict[str, int]]) -> int:
     return sum(snap["Total"] for dev, snap in snapshot.items() if dev.type == "cpu")
 
 
+class ReceiveBuffers(TorchDispatchMode):
+    """Entered inside a MemTracker: its live bytes after every op, and when each
+    all-to-all receive buffer lived, for the peak without those buffers."""
+
+    def __init__(self, tracker: MemTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.totals: list[int] = []  # live bytes after op i
+        self._created: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> op index
+        self._buffers: list[list[int | None]] = []  # [first op live, first op freed, bytes]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:
+            return NotImplemented  # as MemTracker: DTensor desugars to local ops first
+        kwargs = kwargs or {}
+        if func.namespace == "c10d" and func._opname == "alltoall_base_":
+            storage = args[0].untyped_storage()  # the output: this rank's receive buffer
+            entry = [self._created.get(storage, len(self.totals)), None, storage.nbytes()]
+            self._buffers.append(entry)
+            weakref.finalize(storage, self._freed, entry)
+        out = func(*args, **kwargs)
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage() not in self._created:
+                self._created[tensor.untyped_storage()] = len(self.totals)
+        self.totals.append(total_bytes(self.tracker.get_tracker_snapshot("current")))
+        return out
+
+    def _freed(self, entry: list[int | None]) -> None:
+        entry[1] = len(self.totals)
+
+    def peak_without_buffers(self) -> int:
+        return max(
+            (
+                total
+                - sum(
+                    nbytes
+                    for first, freed, nbytes in self._buffers
+                    if first <= op and (freed is None or op < freed)
+                )
+                for op, total in enumerate(self.totals)
+            ),
+            default=0,
+        )
+
+
 @dataclasses.dataclass
 class Isolated:
     """What one implementation measured alone: memory and one step's collectives."""
 
     live_at_step_bytes: int
     peak_bytes: int
+    peak_without_all_to_all_bytes: int
     comms: dict[str, dict[str, float]]
     """kind -> {"count", "nbytes", "wire_bytes"} per step"""
     ddp_bucket_sizes: list[int] | None = None
@@ -332,8 +388,9 @@ def measure_memory(
     config: LlamaConfig,
     args: argparse.Namespace,
     device: torch.device,
-) -> tuple[Impl, int, int]:
-    """Build the impl, take a warmup step, and measure the peak of the next step."""
+) -> tuple[Impl, int, int, int]:
+    """Build the impl, take a warmup step, and measure the next step's live bytes at
+    its start, its peak, and its peak without all-to-all receive buffers."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(device)
@@ -344,16 +401,18 @@ def measure_memory(
         torch.cuda.reset_peak_memory_stats(device)
         train_step(impl, config, args, device)
         sync(device)
-        return impl, at_step, torch.cuda.max_memory_allocated(device) - base
+        peak = torch.cuda.max_memory_allocated(device) - base
+        return impl, at_step, peak, peak  # NCCL: reduce_scatter_tensor, no all-to-all
     with MemTracker() as tracker:
         impl = impl_factory()
         train_step(impl, config, args, device)
         at_step = total_bytes(tracker.get_tracker_snapshot("current"))
         tracker.reset_mod_stats()  # MemTracker refuses a second iteration otherwise
         reset_peak(tracker)
-        train_step(impl, config, args, device)
+        with ReceiveBuffers(tracker) as buffers:
+            train_step(impl, config, args, device)
         peak = total_bytes(tracker.get_tracker_snapshot("peak"))
-    return impl, at_step, peak
+    return impl, at_step, peak, buffers.peak_without_buffers()
 
 
 def summarize(records: list[tuple[str, int]], world: int) -> dict[str, dict[str, float]]:
@@ -383,7 +442,7 @@ def count_comms(
                 "wire_bytes": ring_wire_bytes("all_reduce", sum(sizes), world),
             }
         }
-        return Isolated(0, 0, comms, ddp_bucket_sizes=sizes)
+        return Isolated(0, 0, 0, comms, ddp_bucket_sizes=sizes)
     trace = dtensor_fsdp.CommTrace() if impl.name == "ours" else None
     if trace is not None:
         impl.model.set_comm_trace(trace)
@@ -393,7 +452,7 @@ def count_comms(
     comms = summarize(recorder.records, world)
     if impl.name == "unsharded" and comms:
         raise AssertionError(f"the unsharded model communicated: {comms}")
-    isolated = Isolated(0, 0, comms)
+    isolated = Isolated(0, 0, 0, comms)
     if trace is not None:
         impl.model.set_comm_trace(None)
         check_trace_matches(trace, recorder.records)
@@ -415,11 +474,12 @@ def check_trace_matches(trace: Any, records: list[tuple[str, int]]) -> None:
 def run_isolated(
     name: str, mesh: DeviceMesh, config: LlamaConfig, args: argparse.Namespace, device: torch.device
 ) -> Isolated:
-    impl, at_step, peak = measure_memory(
+    impl, at_step, peak, peak_without = measure_memory(
         lambda: build_impl(name, config, mesh, device, args), config, args, device
     )
     isolated = count_comms(impl, config, args, device)
     isolated.live_at_step_bytes, isolated.peak_bytes = at_step, peak
+    isolated.peak_without_all_to_all_bytes = peak_without
     del impl
     gc.collect()  # FSDP state <-> module cycles: free this impl before the next one
     return isolated

@@ -1,8 +1,10 @@
-"""Shard Llama 7B / 70B shapes at W = 8, 64, 1024 in one process, and predict memory.
+"""Shard Llama 7B / 70B shapes at W = 8, 64, 1024 in one process, and predict memory;
+with ``--step``, train them on fake tensors and measure it, ours against torch's.
 
     python3 benchmarks/scale_sim.py                     # dtensor_fsdp
     python3 benchmarks/scale_sim.py --impl torch        # torch's fully_shard, same report
     python3 benchmarks/scale_sim.py --models llama_7b --world-sizes 8,16
+    python3 benchmarks/scale_sim.py --step --models llama_7b --world-sizes 8,1024
 
 No GPU, no real ranks, no parameter memory: the model is built on the ``meta`` device and
 sharded over torch's ``fake`` process group, which accepts any world size and does no
@@ -31,6 +33,15 @@ Reported per (model, W), for one rank (rank 0, which holds the most):
 - pred+root: the same with the root's unsharded parameters counted for the whole step
   (the root is not resharded after forward) plus 2 x the largest *block* buffer; closer
   to the real peak when the root (embeddings + output) is the largest group.
+
+``--step`` replaces the prediction by a measurement, for both FSDPs in one run: the
+model is sharded on ``meta``, materialized under ``FakeTensorMode`` (shapes and dtypes,
+no memory, no arithmetic) and trained for two fp32 AdamW steps on ``--seq-len`` tokens,
+one sequence, on the fake process group (both FSDPs issue ``reduce_scatter_tensor``
+there). ``MemTracker`` counts the live tensor bytes of rank 0 from before the params
+are materialized; the peak is step 2's (its first optimizer step over-counts under fake
+tensors), restarted at the step's start: params, grads, optimizer states, activations,
+all-gather and reduce-scatter buffers, as each FSDP allocates them.
 """
 
 import argparse
@@ -40,12 +51,15 @@ import time
 
 import torch
 import torch.distributed as dist
+from bench_train import reset_peak, total_bytes  # same directory
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from dtensor_fsdp.models.llama import PRESETS, Llama
+from dtensor_fsdp.models.llama import PRESETS, Llama, cross_entropy_loss
 
 GiB, MiB = 2**30, 2**20
 
@@ -55,6 +69,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--impl", choices=("ours", "torch"), default="ours")
     parser.add_argument("--models", default="llama_7b,llama_70b")
     parser.add_argument("--world-sizes", default="8,64,1024")
+    parser.add_argument(
+        "--step", action="store_true", help="measure a fake-tensor training step, both FSDPs"
+    )
+    parser.add_argument("--seq-len", type=int, default=256, help="--step: tokens per step")
     args = parser.parse_args()
     args.models = args.models.split(",")
     args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
@@ -170,6 +188,57 @@ def simulate(model_name: str, world: int, impl: str) -> dict:
     }
 
 
+def step_peak(model_name: str, world: int, impl: str, seq_len: int) -> tuple[int, int]:
+    """(live bytes at step 2's start, step 2's peak) of rank 0 on fake tensors."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard = fully_shard_fn(impl)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            with torch.device("meta"):
+                model = Llama(PRESETS[model_name]())
+            for block in model.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            with MemTracker() as tracker:
+                model.to_empty(device="cpu")
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                tokens = torch.randint(0, model.config.vocab_size, (1, seq_len + 1))  # (1, T+1)
+                for step in range(2):
+                    tracker.reset_mod_stats()  # MemTracker refuses a second iteration otherwise
+                    reset_peak(tracker)
+                    at_start = total_bytes(tracker.get_tracker_snapshot("current"))
+                    logits = model(tokens[:, :-1])  # (1, T, vocab_size)
+                    cross_entropy_loss(logits, tokens[:, 1:]).backward()
+                    del logits
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    print(f"  {model_name} W={world} {impl}: step {step + 1} done", file=sys.stderr)
+                peak = total_bytes(tracker.get_tracker_snapshot("peak"))
+        return at_start, peak
+    finally:
+        dist.destroy_process_group()
+
+
+def print_step_table(models: list[str], worlds: list[int], seq_len: int) -> None:
+    """Each (model, W): torch's step, then ours' (one process, so the same machine state)."""
+    print(f"fake-tensor step 2 | fp32 | AdamW | 1 x {seq_len} tokens | rank 0 | MemTracker")
+    header = (
+        f"{'model':<10} {'W':>5} {'torch live GiB':>15} {'torch peak GiB':>15} "
+        f"{'ours live GiB':>14} {'ours peak GiB':>14} {'peak ours/torch':>16}"
+    )
+    print(header + "\n" + "-" * len(header))
+    for model_name in models:
+        for world in worlds:
+            theirs = step_peak(model_name, world, "torch", seq_len)
+            ours = step_peak(model_name, world, "ours", seq_len)
+            print(
+                f"{model_name:<10} {world:>5} {theirs[0] / GiB:>15.3f} {theirs[1] / GiB:>15.3f} "
+                f"{ours[0] / GiB:>14.3f} {ours[1] / GiB:>14.3f} {ours[1] / theirs[1]:>16.4f}",
+                flush=True,
+            )
+
+
 def print_table(rows: list[dict], impl: str) -> None:
     print(f"fully_shard impl: {impl} | fp32 | AdamW | blocks + root (root not resharded)")
     header = (
@@ -197,6 +266,10 @@ def print_table(rows: list[dict], impl: str) -> None:
 def main() -> None:
     args = parse_args()
     start = time.perf_counter()
+    if args.step:
+        print_step_table(args.models, args.world_sizes, args.seq_len)
+        print(f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+        return
     rows = [simulate(m, w, args.impl) for m in args.models for w in args.world_sizes]
     print_table(rows, args.impl)
     print(f"all invariants hold | {time.perf_counter() - start:.1f} s", file=sys.stderr)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._tensor_utils import chunk_rows
+from ._tensor_utils import chunk_rows, free_storage
 from .api import AllGather, ReduceScatter
 from .mesh import backend_for
 from .wire_format import WireLayout, decode, decode_sum, encode
@@ -102,7 +102,9 @@ def _is_backend(backend: object | None, class_name: str) -> bool:
 class ReduceScatterResult:
     """An issued reduce-scatter; `finish_reduce_scatter` turns it into averaged chunks."""
 
-    input: torch.Tensor  # (W, shard_numel); referenced until the wait so it is not reused
+    # (W, shard_numel); referenced until the wait so it is not reused (all-to-all: then
+    # `finish_reduce_scatter` frees its storage)
+    input: torch.Tensor
     output: torch.Tensor  # (shard_numel,) or, for all-to-all, (W, shard_numel)
     work: dist.Work | None
     plan: ReductionPlan
@@ -208,25 +210,42 @@ def copy_out(
         torch.split_with_sizes_copy(rows, split_nbytes, dim=1, out=outputs)
 
 
+def copy_in_grads(
+    unsharded_grads: list[torch.Tensor], reduce_dtype: torch.dtype, world_size: int
+) -> torch.Tensor:
+    """One reduce-scatter input of the gradients, cast to ``reduce_dtype`` while they are
+    copied in (torch's ``chunk_cat``): no per-gradient cast temporaries.
+
+    Args:
+        unsharded_grads: each of the original param's shape (any float dtype), arranged
+            so that its dim-0 chunks are the ranks' shards.
+
+    Returns:
+        (W, sum of padded shard numels): row r holds rank r's padded chunk of every grad.
+    """
+    shard_numel = sum(_padded_chunk_numel(g, world_size) for g in unsharded_grads)
+    reduce_input = torch.empty(
+        (world_size, shard_numel), dtype=reduce_dtype, device=unsharded_grads[0].device
+    )
+    torch._chunk_cat(unsharded_grads, dim=0, num_chunks=world_size, out=reduce_input)
+    return reduce_input
+
+
 def reduce_scatter(
-    unsharded_grads: list[torch.Tensor],
-    reduce_dtype: torch.dtype,
+    reduce_input: torch.Tensor,
     group: dist.ProcessGroup,
     plan: ReductionPlan,
     async_op: bool,
 ) -> ReduceScatterResult:
-    """Copy the gradients into one buffer (padding each to W equal chunks) and issue one
-    reduce-scatter of it.
+    """Issue one reduce-scatter of a `copy_in_grads` input.
 
     Args:
-        unsharded_grads: each of the original param's shape, all of ``reduce_dtype``.
+        reduce_input: (W, shard_numel), row r for rank r. The caller has dropped the
+            gradients copied into it first, so they are freed before the all-to-all's
+            receive buffer (as large as the input) is allocated.
     """
-    world_size = group.size()
-    # (W, sum of padded shard numels): row r holds rank r's padded chunk of every grad.
-    shard_numel = sum(_padded_chunk_numel(g, world_size) for g in unsharded_grads)
-    device = unsharded_grads[0].device
-    reduce_input = torch.empty((world_size, shard_numel), dtype=reduce_dtype, device=device)
-    torch._chunk_cat(unsharded_grads, dim=0, num_chunks=world_size, out=reduce_input)
+    world_size, shard_numel = reduce_input.shape
+    reduce_dtype, device = reduce_input.dtype, reduce_input.device
     nbytes = reduce_input.numel() * reduce_input.element_size()
     if world_size == 1:
         # One rank: its chunk is the whole buffer, and nothing is issued (as in torch's
@@ -260,6 +279,11 @@ def finish_reduce_scatter(result: ReduceScatterResult) -> torch.Tensor:
     """This rank's reduced chunk, (shard_numel,), once ``result.work`` is waited: summed,
     or averaged if ``plan.average_in_reduce_scatter``."""
     if result.plan.use_all_to_all:
+        # The all-to-all has landed, so nothing reads its input again: free it before
+        # the sum allocates this rank's chunk. The peak is then the receive buffer and
+        # the chunk, as torch's is its input and its output (gloo's own copies inside
+        # reduce_scatter_tensor aside).
+        free_storage(result.input)
         # A fresh (shard_numel,) tensor, not a view of the (W, shard_numel) receive
         # buffer: the sharded grads are views of what this returns, and must not keep
         # W times their size alive.

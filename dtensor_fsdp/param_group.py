@@ -562,14 +562,19 @@ class FSDPParamGroup:
         """Reduce-scatter the unsharded grads (unless accumulating) and reshard."""
         self.training_state = TrainingState.POST_BACKWARD
         self._record("post_backward")
-        if self.requires_gradient_sync:
-            assert self.ctx is not None, f"{self.fqn}: post-backward before lazy init"
-            self.reduction.reduce_scatter(self.ctx, self.fqn)
-        else:
+        if not self.requires_gradient_sync:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.accumulate_unsharded_grad()
+            if self.reshard_after_backward:
+                self.reshard()
+            return
+        assert self.ctx is not None, f"{self.fqn}: post-backward before lazy init"
+        # Torch's order: take the grads, free the unsharded params, then allocate the
+        # reduce-scatter input; the peak is params + grads, not params + grads + input.
+        taken = self.reduction.take_grads()
         if self.reshard_after_backward:
             self.reshard()
+        self.reduction.reduce_scatter(self.ctx, self.fqn, taken)
 
     def finalize_backward(self) -> None:
         """End of backward (root callback): post-backward for groups whose inputs had no

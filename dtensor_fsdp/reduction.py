@@ -1,14 +1,18 @@
 """GradientReduction: one group's gradients, from unsharded grads to sharded ``.grad``.
 
-Post-backward hands it the group's unsharded grads: it packs them into one
-reduce-scatter (zeros for unused parameters if asked), and when the scheduler finishes
-that collective, reduces over HSDP's replicate axis (one all-reduce, or a partial sum
-kept for later with ``set_requires_all_reduce(False)``), divides once by the data
-parallel world size (or the user's factor), runs the user's all-reduce hook and lands
-each parameter's chunk on its sharded ``.grad``.
+Post-backward has it take the group's unsharded grads (zeros for unused parameters if
+asked), reshards, then has it pack them into one reduce-scatter (torch's order: the
+unsharded params are freed before the reduce-scatter input exists). When the scheduler
+finishes that collective, it reduces over HSDP's replicate axis (one all-reduce, or a
+partial sum kept for later with ``set_requires_all_reduce(False)``), divides once by the
+data parallel world size (or the user's factor), runs the user's all-reduce hook and
+lands each parameter's chunk on its sharded ``.grad``.
+
+Each job has its own module: grad_reduce_scatter.py (the issue), replica_reduction.py
+(HSDP's replicate axis), error_feedback.py, grad_landing.py (divide, hook, ``.grad``);
+this class holds the ``set_*`` knobs and the order.
 """
 
-import dataclasses
 import time
 from collections.abc import Callable
 
@@ -16,28 +20,30 @@ import torch
 import torch.distributed as dist
 
 from .api import CommPrecisionPolicy, ReduceScatter
-from .collectives import (
-    QuantizedAllReduceResult,
-    QuantizedReduceScatterResult,
-    ReduceScatterResult,
-    ReductionPlan,
-    all_reduce,
-    finish_quantized_all_reduce,
-    finish_quantized_reduce_scatter,
-    finish_reduce_scatter,
-    quantized_all_reduce,
-    quantized_reduce_scatter,
-    reduce_scatter,
-)
+from .collectives import ReductionPlan
 from .consistency import CollectiveCheck
+from .error_feedback import ErrorFeedback
+from .grad_landing import NO_OVERFLOW_RISK, land_sharded_grads, split_reduced
+from .grad_reduce_scatter import (
+    IssuedReduceScatter,
+    collect_grads,
+    finish_any_reduce_scatter,
+    first_nonfinite,
+    gradient_divisors,
+    issue_reduce_scatter,
+    quantized_plan,
+)
 from .mesh import MeshInfo
 from .param import FSDPParam
+from .replica_reduction import (
+    ReplicaAllReduce,
+    finish_replica_all_reduce,
+    issue_replica_all_reduce,
+    take_replica_parts,
+)
 from .scheduler import CommContext
 from .streams import CommStreams, StreamRole
 from .trace import DeviceTiming
-
-# Reduce dtypes whose range lets the collective sum before dividing.
-_NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16)
 
 
 class GradientReduction:
@@ -80,9 +86,7 @@ class GradientReduction:
         self.separate_reduce_scatter_group: dist.ProcessGroup | None = None
         self.reduce_scatter_unused_params = False
         self.comm_precision: CommPrecisionPolicy | None = None
-        # CommPrecisionPolicy.error_feedback: per quantized param, its (W, padded chunk
-        # numel) fp32 quantization error of the last reduce-scatter.
-        self._residuals: dict[FSDPParam, torch.Tensor] = {}
+        self._error_feedback = ErrorFeedback()
 
     @property
     def reduce_scatter_group(self) -> dist.ProcessGroup:
@@ -116,11 +120,11 @@ class GradientReduction:
 
     def set_comm_precision(self, policy: CommPrecisionPolicy | None) -> None:
         self.comm_precision = policy
-        self._residuals.clear()
+        self._error_feedback.clear()
 
     def discard_error_feedback(self) -> None:
         """After a failed iteration: its errors belong to gradients never applied."""
-        self._residuals.clear()
+        self._error_feedback.clear()
 
     def _quantizes(
         self, fsdp_param: FSDPParam, policy: CommPrecisionPolicy | None, *, replicate_leg: bool
@@ -142,20 +146,19 @@ class GradientReduction:
             and policy.param_filter(fsdp_param.fqn, fsdp_param.sharded_param)
         )
 
-    def reduce_scatter(self, ctx: CommContext, fqn: str) -> None:
-        """Issue one reduce-scatter of every unsharded grad of the group (``fqn``); ``ctx``
-        finishes it (waits, reduces over replicas, lands the sharded grads) when its turn
-        comes."""
-        # One call each: for TP, turning a Partial grad into its placements communicates.
-        to_reduce = [(p, p.grad_to_reduce()) for p in self.fsdp_params]
-        if self.reduce_scatter_unused_params:
-            # Every rank must issue the same collective even if some rank left a
-            # parameter unused this step (conditional compute, MoE): send zeros.
-            to_reduce = [
-                (p, p.zero_grad_to_reduce() if g is None and p.requires_grad else g)
-                for p, g in to_reduce
-            ]
-        with_grad = [p for p, grad in to_reduce if grad is not None]
+    def take_grads(self) -> tuple[list[FSDPParam], list[torch.Tensor]]:
+        """The group's params with a grad to reduce, and their unsharded grads (taken
+        from the params: post-backward reshards before `reduce_scatter` allocates its
+        input, as torch's does, so the unsharded params are freed first)."""
+        return collect_grads(self.fsdp_params, self.reduce_scatter_unused_params)
+
+    def reduce_scatter(
+        self, ctx: CommContext, fqn: str, taken: tuple[list[FSDPParam], list[torch.Tensor]]
+    ) -> None:
+        """Issue one reduce-scatter of the grads `take_grads` took from the group
+        (``fqn``); the grads are freed once copied into its input. ``ctx`` finishes it
+        (waits, reduces over replicas, lands the sharded grads) when its turn comes."""
+        with_grad, grads = taken
         if not with_grad:
             return
         # Wait for the oldest in flight before this group's buffer exists: at most
@@ -170,21 +173,13 @@ class GradientReduction:
             # fp16 could overflow while the collective sums: it pre-divides instead.
             prefer_average=self.gradient_divide_factor is None
             and not self.force_sum_reduction
-            and reduce_dtype in _NO_OVERFLOW_RISK,
+            and reduce_dtype in NO_OVERFLOW_RISK,
             custom=self.custom_reduce_scatter,
         )
         # Read once: the whole reduction of this backward follows one policy.
         policy = self.comm_precision
         is_quantized = [self._quantizes(p, policy, replicate_leg=False) for p in with_grad]
-        if policy is not None and policy.reduce_scatter is not None:
-            # Quantized legs sum in fp32 after decoding: no collective averages.
-            plan = dataclasses.replace(
-                plan,
-                use_all_to_all=plan.use_all_to_all or any(is_quantized),
-                average_in_reduce_scatter=plan.average_in_reduce_scatter and not any(is_quantized),
-                average_in_all_reduce=False,
-            )
-        grads = [grad.to(reduce_dtype) for _, grad in to_reduce if grad is not None]
+        plan = quantized_plan(plan, policy, is_quantized)
         if ctx.check is not None and ctx.check.applies_to("reduce_scatter"):
             ctx.check.before(
                 self.reduce_scatter_group,
@@ -194,33 +189,34 @@ class GradientReduction:
                 "reduce_scatter",
                 sum(g.numel() for g in grads) * reduce_dtype.itemsize,
                 grad_names=[p.fqn for p in with_grad],
-                first_nonfinite=_first_nonfinite(grads) if ctx.check.finite_grads else -1,
+                # As the collective will carry them: a cast may overflow (fp32 to fp16).
+                first_nonfinite=first_nonfinite([g.to(reduce_dtype) for g in grads])
+                if ctx.check.finite_grads
+                else -1,
             )
-        pre_divisor, post_divisor = self._divisors(plan, reduce_dtype)
-        if pre_divisor != 1.0:
-            grads = torch._foreach_div(grads, pre_divisor)
+        pre_divisor, post_divisor = gradient_divisors(
+            plan,
+            reduce_dtype,
+            self.gradient_divide_factor,
+            self.mesh_info.shard_size,
+            self.mesh_info.replicate_size,
+        )
         issued_s, issued_event = time.perf_counter(), self._timing_event()
-        if any(is_quantized):
-            assert policy is not None and policy.reduce_scatter is not None
-            result = quantized_reduce_scatter(
-                grads,
-                is_quantized,
-                reduce_dtype,
-                self.reduce_scatter_group,
-                plan,
-                policy.reduce_scatter,
-                policy.block_size,
-                self._error_feedback_residuals(with_grad, is_quantized)
-                if policy.error_feedback
-                else None,
-            )
-        else:
-            result = reduce_scatter(
-                grads, reduce_dtype, self.reduce_scatter_group, plan, async_op=True
-            )
-        # The grads now live in the reduce-scatter input: free the unsharded ones.
-        for fsdp_param in with_grad:
-            fsdp_param.clear_unsharded_grad()
+        residuals = (
+            self._error_feedback.residuals(with_grad, is_quantized, self.mesh_info.shard_size)
+            if policy is not None and policy.error_feedback and any(is_quantized)
+            else None
+        )
+        result = issue_reduce_scatter(
+            grads,
+            is_quantized,
+            reduce_dtype,
+            self.reduce_scatter_group,
+            plan,
+            pre_divisor,
+            policy,
+            residuals,
+        )
         # HSDP: the all-reduce stream reads what compute wrote up to here (the
         # reduce-scatter input, which is its output at shard size 1; earlier partial
         # sums) and waits for this event first: a Work orders only the collective.
@@ -233,48 +229,12 @@ class GradientReduction:
             lambda: result.work.wait() if result.work is not None else None,
         )
 
-    def _error_feedback_residuals(
-        self, params: list[FSDPParam], is_quantized: list[bool]
-    ) -> list[torch.Tensor | None]:
-        world_size = self.mesh_info.shard_size
-        residuals: list[torch.Tensor | None] = []
-        for fsdp_param, quantized in zip(params, is_quantized, strict=True):
-            if not quantized:
-                residuals.append(None)
-                continue
-            if fsdp_param not in self._residuals:
-                # Row r: the error of this rank's contribution to rank r's shard.
-                self._residuals[fsdp_param] = torch.zeros(
-                    (world_size, fsdp_param.padded_shard_numel),
-                    dtype=torch.float32,
-                    device=fsdp_param.compute_device,
-                )
-            residuals.append(self._residuals[fsdp_param])
-        return residuals
-
-    def _divisors(self, plan: ReductionPlan, reduce_dtype: torch.dtype) -> tuple[float, float]:
-        """(before, after) the reduction: the gradient average over every data-parallel
-        rank, or ``set_gradient_divide_factor``'s factor, less the axes whose collective
-        averages. Other dtypes than fp32/bf16 (fp16's range is small) split it around the
-        sum, about sqrt each side, so the sum cannot overflow: torch's power-of-two split,
-        so the rounding is torch's too."""
-        divisor = self.gradient_divide_factor or float(
-            (1 if plan.average_in_reduce_scatter else self.mesh_info.shard_size)
-            * (1 if plan.average_in_all_reduce else self.mesh_info.replicate_size)
-        )
-        if divisor == 1.0 or reduce_dtype in _NO_OVERFLOW_RISK:
-            return 1.0, divisor
-        pre_divisor = 1
-        while divisor % pre_divisor == 0 and divisor / pre_divisor > pre_divisor:
-            pre_divisor *= 2
-        return float(pre_divisor), divisor / pre_divisor
-
-    def _finish(self, issued: "IssuedReduceScatter", ctx: CommContext) -> None:
+    def _finish(self, issued: IssuedReduceScatter, ctx: CommContext) -> None:
         if self.mesh_info.is_hsdp and self.requires_all_reduce:
             self._issue_all_reduce(issued, ctx)
             return
         self._wait_reduce_scatter(issued)  # on an accelerator, compute waits
-        reduced = _finish_any_reduce_scatter(issued.result)  # (sum of padded chunk numels,)
+        reduced = finish_any_reduce_scatter(issued.result)  # (sum of padded chunk numels,)
         if not self.mesh_info.is_hsdp:
             self._land(issued.params, reduced, issued.post_divisor, ctx.streams)
             return
@@ -283,7 +243,7 @@ class GradientReduction:
         ):
             fsdp_param.accumulate_partial_grad(chunk)
 
-    def _wait_reduce_scatter(self, issued: "IssuedReduceScatter") -> None:
+    def _wait_reduce_scatter(self, issued: IssuedReduceScatter) -> None:
         result = issued.result
         if result.work is None and self.mesh_info.shard_size == 1:
             return  # nothing was issued (one rank)
@@ -299,7 +259,7 @@ class GradientReduction:
             device=DeviceTiming.of(issued.issued_event, waited_event, self._timing_event),
         )
 
-    def _issue_all_reduce(self, issued: "IssuedReduceScatter", ctx: CommContext) -> None:
+    def _issue_all_reduce(self, issued: IssuedReduceScatter, ctx: CommContext) -> None:
         """HSDP: once the reduce-scatter is done, issue the all-reduce over replicas on
         its own stream; it is in flight while backward goes on, and the gradients land
         when the scheduler finishes it (the bounded queue, or the end of backward)."""
@@ -309,7 +269,7 @@ class GradientReduction:
             # before it, not for the compute queued since.
             streams.wait_for_event(StreamRole.ALL_REDUCE, issued.written_event)
             self._wait_reduce_scatter(issued)
-            reduced = _finish_any_reduce_scatter(issued.result)
+            reduced = finish_any_reduce_scatter(issued.result)
             pending = self._all_reduce_over_replicas(
                 dict(zip(issued.params, self._split(reduced, issued.params), strict=True)),
                 average=issued.result.plan.average_in_all_reduce,
@@ -320,12 +280,15 @@ class GradientReduction:
         # Compute frees what the all-reduce stream read: the reduce-scatter's buffers and
         # the partial sums of micro-batches without all-reduce.
         streams.join(StreamRole.ALL_REDUCE)
+        # The closure holds the divisor, not `issued`: that would keep the reduce-scatter's
+        # input (and output) alive until the all-reduce lands, two inputs at once.
+        post_divisor = issued.post_divisor
         ctx.enqueue_all_reduce(
-            lambda: self._land_all_reduced(pending, issued.post_divisor, streams), pending.wait
+            lambda: self._land_all_reduced(pending, post_divisor, streams), pending.wait
         )
 
     def _land_all_reduced(
-        self, pending: "ReplicaAllReduce", post_divisor: float, streams: CommStreams
+        self, pending: ReplicaAllReduce, post_divisor: float, streams: CommStreams
     ) -> None:
         params, reduced = self._finish_all_reduce(pending)  # read on the compute stream
         # The all-reduce stream may reuse its buffers once compute has read them.
@@ -339,29 +302,17 @@ class GradientReduction:
         post_divisor: float,
         streams: CommStreams,
     ) -> None:
-        """Divide once and run the user's hook (in torch's order), and land each param's
-        chunk on its ``.grad``
-        (CPU offload: copied to the host, asynchronously where nothing reads it there
-        before the end of backward, which then waits for `offload_event`)."""
-        # The hook sees what torch's sees: torch divides inside the collective (AVG,
-        # PREMUL_SUM) for fp32/bf16 unless sums are forced, and after the hook otherwise.
-        divided_in_collective = (
-            not self.force_sum_reduction and reduced.dtype in _NO_OVERFLOW_RISK
+        event = land_sharded_grads(
+            params,
+            reduced,
+            post_divisor,
+            self.force_sum_reduction,
+            (self.all_reduce_hook, self.all_reduce_hook_stream),
+            streams,
+            self.offload,
         )
-        if post_divisor != 1.0 and divided_in_collective:
-            reduced.div_(post_divisor)
-        if self.all_reduce_hook is not None:
-            with streams.on_user_stream(self.all_reduce_hook_stream):
-                self.all_reduce_hook(reduced)
-        if post_divisor != 1.0 and not divided_in_collective:
-            reduced.div_(post_divisor)
-        to_host = streams.copy_to_host if self.offload else None
-        copying = [
-            fsdp_param.accumulate_sharded_grad(chunk, to_host)
-            for fsdp_param, chunk in zip(params, self._split(reduced, params), strict=True)
-        ]
-        if any(copying):
-            self.offload_event = streams.record_compute()
+        if event is not None:
+            self.offload_event = event
 
     def wait_for_offloaded_grads(self, streams: CommStreams) -> None:
         """Block the host until this backward's asynchronous grad copies have landed."""
@@ -370,7 +321,7 @@ class GradientReduction:
 
     @staticmethod
     def _split(reduced: torch.Tensor, params: list[FSDPParam]) -> tuple[torch.Tensor, ...]:
-        return reduced.split([p.padded_shard_numel for p in params])
+        return split_reduced(reduced, params)
 
     def _all_reduce_over_replicas(
         self,
@@ -379,18 +330,11 @@ class GradientReduction:
         policy: CommPrecisionPolicy | None,
         check: CollectiveCheck | None,
         fqn: str,
-    ) -> "ReplicaAllReduce":
+    ) -> ReplicaAllReduce:
         """HSDP: issue the reduction of the shard-reduced chunks over the replicate axis
         (one all-reduce, plus the quantized leg's all-to-all if a policy quantizes it),
         adding the partial sums that micro-batches without all-reduce left."""
-        params = [p for p in self.fsdp_params if p in chunks or p.partial_reduced_grad is not None]
-        parts = []
-        for fsdp_param in params:
-            chunk, partial = chunks.get(fsdp_param), fsdp_param.partial_reduced_grad
-            parts.append(
-                chunk if partial is None else partial if chunk is None else partial + chunk
-            )
-            fsdp_param.partial_reduced_grad = None
+        params, parts = take_replica_parts(self.fsdp_params, chunks)
         if check is not None and check.applies_to("all_reduce"):
             check.before(
                 self.mesh_info.replicate_group,
@@ -400,106 +344,25 @@ class GradientReduction:
                 "all_reduce",
                 sum(t.nbytes for t in parts),
             )
-        issued_s, issued_event = time.perf_counter(), self._timing_event()
+        issued = (time.perf_counter(), self._timing_event())
         is_quantized = [self._quantizes(p, policy, replicate_leg=True) for p in params]
-        exact = [t for t, q in zip(parts, is_quantized, strict=True) if not q]
-        quantized = [t for t, q in zip(parts, is_quantized, strict=True) if q]
-        exact_flat, exact_work, quantized_result = None, None, None
-        nbytes = 0
-        if exact:
-            exact_flat = torch.cat(exact)  # (exact padded chunk numels,)
-            exact_work = all_reduce(exact_flat, self.mesh_info.replicate_group, average)
-            nbytes += exact_flat.nbytes
-        if quantized:
-            assert policy is not None and policy.reduce_scatter is not None
-            quantized_result = quantized_all_reduce(
-                quantized, self.mesh_info.replicate_group, policy.reduce_scatter, policy.block_size
-            )
-            nbytes += quantized_result.nbytes
-        return ReplicaAllReduce(
-            params, is_quantized, [t.numel() for t in exact], exact_flat, exact_work,
-            quantized_result, issued_s, issued_event, nbytes,
-        )  # fmt: skip
+        return issue_replica_all_reduce(
+            params, parts, is_quantized, self.mesh_info.replicate_group, average, policy, issued
+        )
 
-    def _finish_all_reduce(
-        self, pending: "ReplicaAllReduce"
-    ) -> tuple[list[FSDPParam], torch.Tensor]:
+    def _finish_all_reduce(self, pending: ReplicaAllReduce) -> tuple[list[FSDPParam], torch.Tensor]:
         """Wait for the replicate-axis reduction; the params and their reduced chunks, one
         1-D buffer in the params' order."""
         wait_s, waited_event = time.perf_counter(), self._timing_event()
-        exact: list[torch.Tensor] = []
-        if pending.exact_flat is not None:
-            if pending.exact_work is not None:
-                pending.exact_work.wait()
-            exact = list(pending.exact_flat.split(pending.exact_numels))
-        quantized: list[torch.Tensor] = []
-        if pending.quantized is not None:
-            quantized = finish_quantized_all_reduce(pending.quantized)
-        self._record_comm(
-            "all_reduce",
-            pending.nbytes,
-            pending.issued_s,
-            wait_s,
-            phase="backward",
-            group_size=self.mesh_info.replicate_size,
-            device=DeviceTiming.of(pending.issued_event, waited_event, self._timing_event),
+        return finish_replica_all_reduce(
+            pending,
+            lambda: self._record_comm(
+                "all_reduce",
+                pending.nbytes,
+                pending.issued_s,
+                wait_s,
+                phase="backward",
+                group_size=self.mesh_info.replicate_size,
+                device=DeviceTiming.of(pending.issued_event, waited_event, self._timing_event),
+            ),
         )
-        exact_iter, quantized_iter = iter(exact), iter(quantized)
-        flat = torch.cat(
-            [next(quantized_iter) if q else next(exact_iter) for q in pending.is_quantized]
-        )  # (sum of padded chunk numels,)
-        return pending.params, flat
-
-
-@dataclasses.dataclass(frozen=True)
-class IssuedReduceScatter:
-    """One group's reduce-scatter in flight, and what finishing it needs."""
-
-    result: ReduceScatterResult | QuantizedReduceScatterResult
-    params: list[FSDPParam]  # those with a gradient, in the reduced buffer's order
-    post_divisor: float
-    policy: CommPrecisionPolicy | None  # read once: the whole reduction follows it
-    fqn: str  # the group's, for the checks' messages
-    issued_s: float
-    issued_event: object | None  # device timing, when tracing on an accelerator
-    written_event: object | None  # HSDP: compute's writes before the issue (see there)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaAllReduce:
-    """HSDP's replicate-axis reduction of one group's gradients, in flight."""
-
-    params: list[FSDPParam]  # in the reduced buffer's order
-    is_quantized: list[bool]  # per param: on the quantized leg
-    exact_numels: list[int]  # per exact param, its chunk's elements
-    exact_flat: torch.Tensor | None  # the exact params' chunks, all-reduced in place
-    exact_work: dist.Work | None
-    quantized: QuantizedAllReduceResult | None
-    issued_s: float
-    issued_event: object | None  # device timing, when tracing on an accelerator
-    nbytes: int  # bytes this rank sends
-
-    def wait(self) -> None:
-        """Wait only (after an exception): the buffers must outlive the collectives."""
-        if self.exact_work is not None:
-            self.exact_work.wait()
-        if self.quantized is not None and self.quantized.work is not None:
-            self.quantized.work.wait()
-
-
-def _finish_any_reduce_scatter(
-    result: ReduceScatterResult | QuantizedReduceScatterResult,
-) -> torch.Tensor:
-    """This rank's reduced chunk of every grad, (sum of padded chunk numels,)."""
-    if isinstance(result, QuantizedReduceScatterResult):
-        return finish_quantized_reduce_scatter(result)
-    return finish_reduce_scatter(result)
-
-
-def _first_nonfinite(grads: list[torch.Tensor]) -> int:
-    """The index of the first gradient holding a NaN or Inf, -1 if none: one fused
-    max-abs per gradient (NaN propagates through it; finite values cannot overflow)
-    and one host sync for the whole group."""
-    max_abs = torch.stack(torch._foreach_norm(grads, float("inf")))  # (len(grads),)
-    bad = (~max_abs.isfinite()).nonzero()
-    return int(bad[0]) if bad.numel() else -1

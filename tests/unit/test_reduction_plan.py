@@ -14,7 +14,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_
 
 from dtensor_fsdp.collectives import ReductionPlan
 from dtensor_fsdp.mesh import backend_for, mesh_info_for
-from dtensor_fsdp.reduction import GradientReduction
+from dtensor_fsdp.grad_reduce_scatter import gradient_divisors
 from tests._harness import fake_mesh
 
 CPU = torch.device("cpu")
@@ -80,10 +80,9 @@ def test_divisor_covers_the_axes_the_collectives_do_not_average(
     with fake_mesh(4):
         # HSDP: 2 replicas x 2 shards
         mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("replicate", "shard"))
-        reduction = GradientReduction(
-            [], mesh_info_for(mesh), lambda *a, **k: None, lambda: None, offload=False
-        )
-        assert reduction._divisors(plan, torch.float32) == (1.0, divisor)
+        info = mesh_info_for(mesh)
+        sizes = (None, info.shard_size, info.replicate_size)
+        assert gradient_divisors(plan, torch.float32, *sizes) == (1.0, divisor)
         # fp16 splits the divisor around the sum exactly as torch's FSDP2 does.
         pre, post, _, _ = _get_gradient_divide_factors(None, None, torch.float16, factor=divisor)
-        assert reduction._divisors(plan, torch.float16) == (pre, post)
+        assert gradient_divisors(plan, torch.float16, *sizes) == (pre, post)
