@@ -33,7 +33,6 @@ These nouns mean one thing each, everywhere in dtensor_fsdp:
   of the averaged gradient.
 """
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ._tensor_utils import ShardGeometry, alloc_storage, contiguous_stride, free_storage
 from .api import MixedPrecisionPolicy
@@ -144,6 +144,7 @@ class FSDPParam:
             else None
         )
         assert sharded_storage.numel() == self.sharded_buffer_nbytes
+        self._sharding_spec = self._init_sharding_spec()
         if self.extension is None:
             self._padded_shard = self.padded_shard_view(sharded_storage)
             self._init_sharded_param(original, source.original.requires_grad)
@@ -228,7 +229,22 @@ class FSDPParam:
         # still aliasing the sharded buffer (see `is_current`).
         self._sharded_local = local
 
+    def _init_sharding_spec(self) -> DTensorSpec:
+        """The sharded param's layout in ``dtype``, built once per dtype: the sharded
+        grad of every step wraps its local tensor in it directly, which costs a few
+        Python calls where ``DTensor.from_local`` costs about a hundred (torch's FSDP2
+        does the same, ``_from_local_no_grad``)."""
+        return DTensorSpec(
+            self.layout.mesh,
+            self.layout.placements,
+            tensor_meta=TensorMeta(
+                self.global_shape, contiguous_stride(self.global_shape), self.dtype
+            ),
+        )
+
     def _init_unsharded_param(self) -> None:
+        # `unsharded_rows` views of the padded unsharded buffer, by row count.
+        self._unsharded_rows: dict[int, torch.Tensor] = {}
         if self.extension is not None:
             # Built from the first all-gather, by fsdp_post_all_gather.
             self._padded_unsharded = None
@@ -265,20 +281,24 @@ class FSDPParam:
         (``torch.optim``, ``copy_``) bump the DTensor's version, ops on its local tensor
         (``step_on_local_shards``, ``to_local().copy_()``) the local tensor's; neither
         bumps the other's."""
-        return (_version(self.sharded_param), _version(self.registered_local()))
+        param = self.sharded_param
+        try:  # attribute reads only: this runs for every parameter at every all-gather
+            return (param._version, param._local_tensor._version)
+        except RuntimeError:  # an inference tensor has no version counter to read
+            return (_version(param), _version(param._local_tensor))
 
     def is_current(self) -> bool:
         """Whether the sharded param's local tensor is still this parameter's segment of
         the group's sharded buffer. ``nn.Module._apply`` (``to_empty``, ``to(dtype)``,
         ``cuda()``...) and ``param.data = ...`` replace it; the group then re-derives
         its sharded state (`FSDPParamGroup.reset_sharded_params`)."""
-        local = self.registered_local()
+        local = self.sharded_param._local_tensor  # `registered_local`, inlined (hot)
         if self.extension is not None:
             return local is self._sharded_local
         return (
             local.dtype == self._sharded_local.dtype
             and local.device == self._sharded_local.device
-            and (local.numel() == 0 or local.data_ptr() == self._sharded_local.data_ptr())
+            and (local.data_ptr() == self._sharded_local.data_ptr() or local.numel() == 0)
         )
 
     def unsharded_rows(self, world_size: int) -> torch.Tensor:
@@ -288,7 +308,12 @@ class FSDPParam:
         rows (with world_size = k) for whatever dim, since it only needs *some* split
         of the buffer that it reassembles the same way.
         """
-        return self._padded_unsharded.view(torch.uint8).view(world_size, -1)
+        rows = self._unsharded_rows.get(world_size)
+        if rows is None:
+            # A view stays valid across free_storage/alloc_storage (same storage object).
+            rows = self._padded_unsharded.view(torch.uint8).view(world_size, -1)
+            self._unsharded_rows[world_size] = rows
+        return rows
 
     def extension_all_gather_inputs(self) -> list[torch.Tensor]:
         """The all-gather inputs ``fsdp_pre_all_gather`` makes of the sharded local
@@ -454,8 +479,8 @@ class FSDPParam:
             Whether the host copy may still be running: the caller must make the host
             wait for it before anything reads the grad there (the optimizer).
         """
-        local_shape = self.geometry.local_shape
-        local = reduced[: math.prod(local_shape)].view(local_shape)  # (*local_shape)
+        geometry = self.geometry
+        local = reduced[: geometry.local_numel].view(geometry.local_shape)  # (*local_shape)
         grad = self.sharded_param.grad
         hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None) or {}
         # The copy may run asynchronously only if nothing on the host reads it before
@@ -466,9 +491,11 @@ class FSDPParam:
         else:
             local = local.to(self.dtype)
         if grad is None:
-            self.sharded_param.grad = self._sharded_dtensor(local)
+            # Not differentiable, as torch's: the grad has no grad_fn and no autograd
+            # node is recorded (``DTensor.from_local`` would record one under grad mode).
+            self.sharded_param.grad = DTensor(local, self._sharding_spec, requires_grad=False)
         else:
-            grad.to_local().add_(local)
+            grad._local_tensor.add_(local)
         # Hooks registered on the sharded param (optimizer-in-backward) run once its
         # grad has landed, as autograd would run them for a plain parameter.
         for hook in hooks.values():
@@ -515,6 +542,7 @@ class FSDPParam:
         local = self.registered_local()  # (*local_shape), the new dtype and device
         self.dtype = local.dtype
         self.param_dtype, self.reduce_dtype = mp_dtypes(self.mp_policy, self.dtype)
+        self._sharding_spec = self._init_sharding_spec()
         self.extension = (
             AllGatherExtension(self.fqn, self.slots[0].module, self.shape)
             if has_all_gather_extension(local)
@@ -543,9 +571,10 @@ class FSDPParam:
         it was sharded (``module.w = nn.Parameter(dtensor)``, ``load_state_dict(assign=
         True)`` outside FSDP's hooks, an ``_apply`` that makes new Parameters). Only
         while sharded: otherwise the unsharded param is registered."""
+        slot = self.slots[0]  # `_registered`, inlined: every unshard asks every param
         return (
             self.sharded_state == ShardedState.SHARDED
-            and self._registered() is not self.sharded_param
+            and slot.module._parameters.get(slot.name) is not self.sharded_param
         )
 
     def is_foreign(self) -> bool:
