@@ -52,7 +52,12 @@ MODELS = ("linears", "llama")
 TARGET_CALLS = 0.7
 TARGET_TIME = 0.8
 LLAMA = LlamaConfig(
-    vocab_size=64, dim=16, n_layers=24, n_heads=2, n_kv_heads=2, ffn_hidden_dim=32,
+    vocab_size=64,
+    dim=16,
+    n_layers=24,
+    n_heads=2,
+    n_kv_heads=2,
+    ffn_hidden_dim=32,
     max_seq_len=8,
 )
 
@@ -91,12 +96,12 @@ def build(model_name: str, impl: str, mesh: DeviceMesh, mixed: bool) -> tuple[nn
         )
         blocks = list(model)
         x = torch.randn(4, 8)
-        loss_fn = lambda: model(x).sum()  # noqa: E731
+        loss_fn = lambda: model(x).sum()
     else:
         model = Llama(LLAMA)
         blocks = list(model.layers)
         tokens = torch.randint(0, LLAMA.vocab_size, (2, LLAMA.max_seq_len))
-        loss_fn = lambda: model(tokens).float().sum()  # noqa: E731
+        loss_fn = lambda: model(tokens).float().sum()
     shard = fully_shard if impl == "ours" else torch_fully_shard
     policy_type = MixedPrecisionPolicy if impl == "ours" else TorchMixedPrecisionPolicy
     kwargs = {"mesh": mesh}
