@@ -40,7 +40,7 @@ from enum import Enum, auto
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ._tensor_utils import ShardGeometry, alloc_storage, contiguous_stride, free_storage
@@ -528,44 +528,6 @@ class FSDPParam:
             stride=contiguous_stride(self.global_shape),
         )
 
-    # Re-homing and initialization #
-
-    def reset_sharded_param(self, segment: torch.Tensor) -> None:
-        """Re-derive this parameter from what replaced its local tensor (see `is_current`):
-        take its dtype (and the policy's dtypes for it), copy its values into
-        ``segment`` of the group's new sharded buffer and make that the local tensor.
-
-        Args:
-            segment: 1-D uint8 of `reset_buffer_nbytes` bytes, on the device of the
-                replaced local tensor.
-        """
-        local = self.registered_local()  # (*local_shape), the new dtype and device
-        self.dtype = local.dtype
-        self.param_dtype, self.reduce_dtype = mp_dtypes(self.mp_policy, self.dtype)
-        self._sharding_spec = self._init_sharding_spec()
-        self.extension = (
-            AllGatherExtension(self.fqn, self.slots[0].module, self.shape)
-            if has_all_gather_extension(local)
-            else None
-        )
-        with torch.no_grad():
-            if self.extension is not None:
-                # A subclass is padded on its own, as in `_init_sharded_subclass`.
-                self._padded_shard = local.new_zeros(self.geometry.padded_local_shape)
-                if segment.is_pinned():
-                    self._padded_shard = self._padded_shard.pin_memory()
-            else:
-                self._padded_shard = self.padded_shard_view(segment)
-                self._padded_shard.zero_()
-            view = self._padded_shard[: self.geometry.local_shape[0]]  # (*local_shape)
-            view.copy_(local)
-        # The same Parameter and DTensor objects, so optimizers, hooks and .grad built on
-        # them stay valid; only the storage behind the local tensor changes (same dtype,
-        # shape and device). torch's FSDP2 swaps the local tensor the same way.
-        self.sharded_param._local_tensor = view
-        self._sharded_local = view
-        self._init_unsharded_param()
-
     def is_replaced(self) -> bool:
         """Whether user code registered another object in this parameter's place since
         it was sharded (``module.w = nn.Parameter(dtensor)``, ``load_state_dict(assign=
@@ -583,156 +545,9 @@ class FSDPParam:
         registered = self._registered()
         return registered is not self.sharded_param and registered is not self.unsharded_param
 
-    def check_replacement(self, owners: "dict[int, FSDPParam]") -> None:
-        """Raise unless the object that replaced the sharded param (`is_replaced`) can
-        become it: an ``nn.Parameter`` wrapping a contiguous DTensor with the sharded
-        param's mesh, placements, global shape and local shape, that is no other FSDP
-        parameter's (``owners``: sharded param id -> FSDPParam, of every group known).
-
-        Raises:
-            ValueError: naming the parameter, what replaced it and the fix.
-        """
-        new = self._registered()
-        owner = owners.get(id(new))
-        if owner is not None and owner is not self:
-            # torch's FSDP2 accepts this and all-gathers the tied values twice, with a
-            # wrong result when the shard is padded; one FSDPParam per tie is not built.
-            raise ValueError(
-                f"FSDP parameter '{self.fqn}' was replaced after fully_shard by the sharded "
-                f"parameter '{owner.fqn}' (a tie made after fully_shard). Tie parameters "
-                "before fully_shard, and put the tied modules in one FSDP group "
-                "(fully_shard([module_a, module_b]) or their common ancestor): FSDP then "
-                "shards one parameter registered in both places"
-            )
-        layout = (
-            f"global shape {tuple(self.global_shape)}, local shape "
-            f"{tuple(self._sharded_local.shape)}, placements {self.layout.placements} on "
-            f"{self.layout.mesh}"
-        )
-        if not (isinstance(new, nn.Parameter) and isinstance(new, DTensor)):
-            what = f"a {type(new).__name__}, not an nn.Parameter wrapping a DTensor"
-        elif (
-            new.device_mesh == self.layout.mesh
-            and tuple(new.placements) == self.layout.placements
-            and new.shape == self.global_shape
-            and new._local_tensor.shape == self._sharded_local.shape
-            and new.is_contiguous()
-        ):
-            return
-        else:
-            what = (
-                f"a DTensor of global shape {tuple(new.shape)}, local shape "
-                f"{tuple(new._local_tensor.shape)}, placements {tuple(new.placements)} on "
-                f"{new.device_mesh}" + ("" if new.is_contiguous() else ", not contiguous")
-            )
-        raise ValueError(
-            f"FSDP parameter '{self.fqn}' was replaced after fully_shard by {what}. FSDP "
-            "adopts a replacing parameter if it is an nn.Parameter wrapping a contiguous "
-            f"DTensor laid out as the one it replaces ({layout}), e.g. computed from other "
-            "sharded parameters or made with distribute_tensor(full, mesh, placements); or "
-            "copy the new values into the registered parameter in place"
-        )
-
-    def adopt_replacement(self) -> None:
-        """Make the object that replaced the sharded param (checked by
-        `check_replacement`) the sharded param, registered in every slot, as torch's
-        FSDP2 does: the user's Parameter is then what the optimizer steps and
-        ``state_dict`` returns. Its local tensor is not in the group's sharded buffer
-        yet: `is_current` is False until the group re-derives it
-        (`FSDPParamGroup.reset_sharded_params`)."""
-        new = self._registered()
-        assert isinstance(new, nn.Parameter), f"{self.fqn}: adopting an unchecked replacement"
-        self.sharded_param = new
-        self._register(new)
-
     def _registered(self) -> nn.Parameter | None:
         slot = self.slots[0]
         return slot.module._parameters.get(slot.name)
-
-    def reset_buffer_nbytes(self) -> int:
-        """`sharded_buffer_nbytes` for the local tensor that replaced this one."""
-        local = self.registered_local()
-        if has_all_gather_extension(local):
-            return 0
-        return self.padded_shard_numel * local.dtype.itemsize
-
-    @property
-    def init_device(self) -> torch.device:
-        """Where ``init_unsharded`` puts this parameter's full tensor: with the sharded
-        param (on the CPU under CPU offload)."""
-        return self._padded_shard.device
-
-    def full_for_init(self, gathered: bool) -> torch.Tensor:
-        """A plain full tensor of this parameter in its original dtype, for init code:
-        uninitialized, or with ``gathered`` all-gathered from every rank's shard (a
-        collective over the shard group that every rank must join)."""
-        if not gathered:
-            return torch.empty(self.shape, dtype=self.dtype, device=self.init_device)
-        geometry = self.geometry
-        # Copies only under CPU offload: the collective runs on the mesh's device.
-        shard = self._padded_shard.to(self.compute_device)  # (*padded_local_shape)
-        rows = shard.new_empty((geometry.world_size, *geometry.padded_local_shape))
-        # 1-D on both sides: gloo checks the shapes.
-        _all_gather_single(rows.view(-1), shard.reshape(-1), group=self.mesh_info.shard_group)
-        if geometry.dim == 0:  # W padded chunks back to back: the first rows are it
-            full = rows.view(geometry.padded_unsharded_shape)[: self.shape[0]]  # (*shape)
-        else:  # (*shape[:dim], W, shape[dim] / W, ...) -> (*shape): concat along dim
-            full = rows.movedim(0, geometry.dim).reshape(self.shape)
-        return full.to(self.init_device)
-
-    def register_full_for_init(self) -> nn.Parameter:
-        """Register a temporary full parameter in the original dtype, for init code to
-        fill exactly as it would fill the unsharded model (the eager path of
-        ``init_unsharded``, for tensor-parallel and all-gather-extension params)."""
-        full = self.full_for_init(gathered=False)
-        param = nn.Parameter(self._as_unsharded(full), requires_grad=self.requires_grad)
-        self._register(param)
-        return param
-
-    def register_for_init(self, param: nn.Parameter | None) -> None:
-        """Register ``param`` (``init_unsharded``'s lazy full parameter) in every slot,
-        or, with None, the sharded param again."""
-        self._register(self.sharded_param if param is None else param)
-
-    def write_back_from_init(self, full: torch.Tensor) -> None:
-        """Keep this rank's chunk of the initialized full parameter (a plain tensor or,
-        for TP, a DTensor) in the sharded param."""
-        data = full.to_local() if isinstance(full, DTensor) else full
-        with torch.no_grad():
-            self._sharded_local.copy_(self.geometry.local_chunk(data.detach()))
-
-    # State dicts #
-
-    def to_sharded_value(self, value: torch.Tensor) -> DTensor:
-        """A state-dict value for this parameter, in the sharded param's placements.
-
-        A plain tensor is taken as the full parameter and this rank keeps its chunk; a
-        DTensor with other placements or another mesh is redistributed. No rank sends
-        the whole model to the others.
-        """
-        mesh, placements = self.layout.mesh, self.layout.placements
-        if isinstance(value, DTensor):
-            if value.device_mesh == mesh and tuple(value.placements) == placements:
-                return value
-            value = value.full_tensor() if value.device_mesh != mesh else value
-        if not isinstance(value, DTensor):
-            value = DTensor.from_local(
-                value.to(self._padded_shard.device),
-                mesh,
-                [Replicate()] * mesh.ndim,
-                run_check=False,
-            )
-        return value.redistribute(mesh, placements)
-
-    def adopt_assigned(self) -> None:
-        """After ``load_state_dict(assign=True)`` put a new Parameter in our slots: copy
-        its values into the sharded param, which stays the registered object."""
-        assigned = self.slots[0].module._parameters[self.slots[0].name]
-        if assigned is self.sharded_param or assigned is None:
-            return
-        with torch.no_grad():
-            self._sharded_local.copy_(assigned.to_local())
-        self._register(self.sharded_param)
 
     def _register(self, tensor: nn.Parameter) -> None:
         # Write the module's parameter dict directly: `setattr` would run nn.Module's

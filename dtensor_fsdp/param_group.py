@@ -46,6 +46,12 @@ from .collectives import (
 from .extension import has_all_gather_extension
 from .mesh import MeshInfo
 from .param import FSDPParam, ParamToShard, ShardedState
+from .param_reset import (
+    adopt_replacement,
+    check_replacement,
+    reset_buffer_nbytes,
+    reset_sharded_param,
+)
 from .reduction import GradientReduction
 from .scheduler import CommContext
 from .streams import CommStreams, StreamRole
@@ -304,14 +310,14 @@ class FSDPParamGroup:
 
         Raises:
             ValueError: a sharded param was replaced by something FSDP cannot adopt (see
-                `FSDPParam.check_replacement`); nothing is changed then.
+                `check_replacement` (param_reset.py)); nothing is changed then.
         """
         replaced = [p for p in self.fsdp_params if p.is_replaced()]
         if replaced:
             owners = self.tree_params if self.tree_params is not None else self.fsdp_params
             self.check_replacements({id(p.sharded_param): p for p in owners})
             for fsdp_param in replaced:
-                fsdp_param.adopt_replacement()
+                adopt_replacement(fsdp_param)
         if not [p for p in self.fsdp_params if not p.is_current()]:
             return False
         locals_ = [p.registered_local() for p in self.fsdp_params]
@@ -326,7 +332,7 @@ class FSDPParamGroup:
         # See [Note: sharded buffer] for the order; sorted in place, since the reduction
         # holds this same list.
         self.fsdp_params.sort(key=lambda p: -p.registered_local().dtype.itemsize)
-        sizes = [p.reset_buffer_nbytes() for p in self.fsdp_params]
+        sizes = [reset_buffer_nbytes(p) for p in self.fsdp_params]
         pin = self.offload is not None and self.offload.pin_memory and self.device.type != "cpu"
         self.sharded_buffer = torch.empty(
             sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin
@@ -334,17 +340,17 @@ class FSDPParamGroup:
         for fsdp_param, segment in zip(
             self.fsdp_params, self.sharded_buffer.split(sizes), strict=True
         ):
-            fsdp_param.reset_sharded_param(segment)
+            reset_sharded_param(fsdp_param, segment)
         self._init_all_gather_layout()
         return True
 
     def check_replacements(self, owners: dict[int, FSDPParam]) -> None:
-        """`FSDPParam.check_replacement` for every replaced param of the group;
+        """`check_replacement` (param_reset.py) for every replaced param of the group;
         ``owners`` maps sharded param ids to their FSDPParams (this group's, or at lazy
         init every group's of the tree)."""
         for fsdp_param in self.fsdp_params:
             if fsdp_param.is_replaced():
-                fsdp_param.check_replacement(owners)
+                check_replacement(fsdp_param, owners)
 
     # Runtime #
 
