@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -47,10 +46,6 @@ from ._tensor_utils import ShardGeometry, alloc_storage, contiguous_stride, free
 from .api import MixedPrecisionPolicy
 from .extension import AllGatherExtension, has_all_gather_extension
 from .mesh import MeshInfo, SpmdLayout
-
-# torch 2.13 renamed the single-tensor all-gather and deprecated the old name; 2.11 has
-# only the old one. Same signature either way.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ShardedState(Enum):

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .param import FSDPParam, _all_gather_single
+from .collectives import _all_gather_single
+from .param import FSDPParam
 
 
 def init_device(fsdp_param: FSDPParam) -> torch.device:
