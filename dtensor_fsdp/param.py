@@ -329,10 +329,9 @@ class FSDPParam:
         if self.extension is not None:
             targets = self.extension.copy_out_targets(world_size, self.compute_device)
         else:
-            alloc_storage(
-                self._padded_unsharded,
-                self._padded_unsharded.numel() * self.param_dtype.itemsize,
-            )
+            geometry = self.geometry  # W padded shards in param_dtype
+            nbytes = geometry.world_size * geometry.padded_shard_numel * self.param_dtype.itemsize
+            alloc_storage(self._padded_unsharded, nbytes)
             targets = [self.unsharded_rows(world_size)]
         if self.geometry.dim == 0 or is_post_forward:
             return targets
@@ -368,8 +367,9 @@ class FSDPParam:
         self._assert_in_states(ShardedState.SHARDED)
         assert self.unsharded_param is not None, f"{self.fqn}: unsharded before all-gather"
         # requires_grad may have changed on the sharded param since the last unshard.
-        if self.unsharded_param.requires_grad != self.requires_grad:
-            self.unsharded_param.requires_grad_(self.requires_grad)
+        requires_grad = self.requires_grad
+        if self.unsharded_param.requires_grad != requires_grad:
+            self.unsharded_param.requires_grad_(requires_grad)
         self._register(self.unsharded_param)
         self.sharded_state = ShardedState.UNSHARDED
 
@@ -537,7 +537,8 @@ class FSDPParam:
     def is_foreign(self) -> bool:
         """Whether the module holds neither this parameter's sharded nor its unsharded
         param: user code replaced it (see `is_replaced`)."""
-        registered = self._registered()
+        slot = self.slots[0]  # `_registered`, inlined: every reshard asks every param
+        registered = slot.module._parameters.get(slot.name)
         return registered is not self.sharded_param and registered is not self.unsharded_param
 
     def _registered(self) -> nn.Parameter | None:
