@@ -23,6 +23,9 @@ and implementation:
 - **host ms**: the median wall time of ``--steps`` steps, interleaved ours, torch, ours,
   torch... so that load on the machine hits both alike. On the fake process group no
   collective communicates, so this is all host time; on gloo it includes the wire.
+- **plain**: the same model without FSDP (fp32 also under ``--mixed-precision``): the
+  model's own Python and compute, which both FSDPs pay; the ``fsdp`` row divides what
+  ours adds to it by what torch's adds.
 - **cpu ms**: the median CPU time of this thread over the same steps (the forward, the
   backward of CPU tensors and FSDP's hooks all run on it): what the host spent, less
   sensitive than wall time to other processes taking the cores of a shared machine.
@@ -50,7 +53,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from dtensor_fsdp import MixedPrecisionPolicy, fully_shard
 from dtensor_fsdp.models.llama import Llama, LlamaConfig
 
-IMPLS = ("ours", "torch")
+IMPLS = ("ours", "torch", "plain")
 MODELS = ("linears", "llama")
 TARGET_CALLS = 0.7
 TARGET_TIME = 0.8
@@ -105,6 +108,8 @@ def build(model_name: str, impl: str, mesh: DeviceMesh, mixed: bool) -> tuple[nn
         blocks = list(model.layers)
         tokens = torch.randint(0, LLAMA.vocab_size, (2, LLAMA.max_seq_len))
         loss_fn = lambda: model(tokens).float().sum()
+    if impl == "plain":
+        return model, loss_fn
     shard = fully_shard if impl == "ours" else torch_fully_shard
     policy_type = MixedPrecisionPolicy if impl == "ours" else TorchMixedPrecisionPolicy
     kwargs = {"mesh": mesh}
@@ -135,6 +140,9 @@ def count_calls(model: nn.Module, loss_fn: Callable) -> int:
 
 def main() -> None:
     args = parse_args()
+    # The compute is negligible; one intra-op thread keeps other processes on a shared
+    # machine from stalling the step in OpenMP's spin-waits.
+    torch.set_num_threads(1)
     mesh = init_group(args.world_size)
     rank0 = dist.get_rank() == 0
     backend = dist.get_backend()
@@ -175,6 +183,14 @@ def main() -> None:
                 f"{model_name:8} ratio  {'':6} {calls['ours'] / calls['torch']:11.2f} "
                 f"{ms['ours'] / ms['torch']:8.2f} {cpu_ms['ours'] / cpu_ms['torch']:8.2f}   "
                 f"(targets <= {TARGET_CALLS}, <= {TARGET_TIME})"
+            )
+            fsdp = {  # what FSDP adds to the plain model's step
+                name: (v["ours"] - v["plain"]) / (v["torch"] - v["plain"])
+                for name, v in (("calls", calls), ("ms", ms), ("cpu", cpu_ms))
+            }
+            print(
+                f"{model_name:8} fsdp   {'':6} {fsdp['calls']:11.2f} {fsdp['ms']:8.2f} "
+                f"{fsdp['cpu']:8.2f}   (ours' additions over the plain model / torch's)"
             )
     dist.destroy_process_group()
 
