@@ -483,7 +483,7 @@ class FSDPParam:
         non_blocking = to_host is not None and grad is None and not hooks
         if to_host is not None:
             local = to_host(local, self.dtype, non_blocking)
-        else:
+        elif local.dtype != self.dtype:
             local = local.to(self.dtype)
         if grad is None:
             # Not differentiable, as torch's: the grad has no grad_fn and no autograd

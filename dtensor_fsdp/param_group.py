@@ -231,6 +231,15 @@ class FSDPParamGroup:
         # there: fully_shard refuses it), quantized or not, as unsharded bytes.
         self._post_forward_order = self._plain_all_gather_order + quantized
         self._casts_on_all_gather = any(p.param_dtype != p.dtype for p in plain)
+        # Mixed precision's usual case, one dtype cast to one param_dtype and nothing
+        # else: the all-gather input is the whole sharded buffer cast in one op (its
+        # order is then the all-gather order; padding casts to zeros).
+        self._casts_whole_buffer = (
+            self._casts_on_all_gather
+            and len(plain) == len(self.fsdp_params)
+            and not quantized
+            and len({(p.dtype, p.param_dtype) for p in plain}) == 1
+        )
         self._copies_in = (
             self._casts_on_all_gather or len(plain) < len(self.fsdp_params) or bool(quantized)
         )
@@ -605,6 +614,10 @@ class FSDPParamGroup:
         sharded = self.sharded_buffer.to(self.device, non_blocking=True)
         if not self._copies_in:
             return AllGatherSource(sharded, self.mesh_info, self._plain_all_gather_split)
+        if self._casts_whole_buffer:
+            first = self.fsdp_params[0]
+            cast = sharded.view(first.dtype).to(first.param_dtype).view(torch.uint8)
+            return AllGatherSource(cast, self.mesh_info, self._plain_all_gather_split)
         shards = self._padded_shards(sharded)
         copied_in = copy_in(
             [shards[p] for p in self._plain_all_gather_order],
