@@ -2,7 +2,7 @@
 (empty, or all-gathered from the shards), register it in the parameter's slots, and
 keep this rank's chunk of what init code wrote into it.
 
-Not on the training path: `FSDPParam` (param.py) owns the parameter's runtime life.
+Off the training path: `FSDPParam` (param.py) owns the parameter's runtime life.
 """
 
 import torch

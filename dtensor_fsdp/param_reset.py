@@ -3,7 +3,8 @@ adopting a Parameter registered in its place, and moving a replaced local tensor
 the group's new sharded buffer (see [Note: re-deriving the sharded state] in
 param_group.py).
 
-Not on the training path: `FSDPParam` (param.py) owns the parameter's runtime life.
+Off the per-step path (it runs only after user code changed a parameter): `FSDPParam`
+(param.py) owns the parameter's runtime life.
 """
 
 import torch
