@@ -42,6 +42,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .param import FSDPParam
+from .param_init import full_for_init, init_device, write_back_from_init
 
 
 class LazyEntry:
@@ -68,12 +69,12 @@ class LazyEntry:
         param = self.fsdp_param
         if isinstance(value, LazyFullTensor):
             value = value._entry.materialize()  # another parameter's: alias its full tensor
-        expected = (param.shape, param.dtype, param.init_device)
+        expected = (param.shape, param.dtype, init_device(param))
         if (value.shape, value.dtype, value.device) != expected:
             raise ValueError(
                 f"init_unsharded: cannot assign a {value.dtype} tensor of shape "
                 f"{tuple(value.shape)} on {value.device} to '{self.name}' ({param.dtype}, "
-                f"{tuple(param.shape)}, {param.init_device}); FSDP keeps the parameter's "
+                f"{tuple(param.shape)}, {init_device(param)}); FSDP keeps the parameter's "
                 "shape and dtype: copy the values in place (param.copy_(value)) instead"
             )
         self.cache.admit(self, value.detach())
@@ -101,7 +102,7 @@ class LazyFullTensor(torch.Tensor):
             cls,
             fsdp_param.shape,
             dtype=fsdp_param.dtype,
-            device=fsdp_param.init_device,
+            device=init_device(fsdp_param),
             requires_grad=False,
         )
         tensor._entry = entry
@@ -174,7 +175,7 @@ class InitCache:
         self._evict_until_fits(entry.nbytes)
         if entry.written_back:
             self.all_gathers += 1
-        self._add(entry, entry.fsdp_param.full_for_init(gathered=entry.written_back))
+        self._add(entry, full_for_init(entry.fsdp_param, gathered=entry.written_back))
         return entry.full
 
     def admit(self, entry: LazyEntry, full: torch.Tensor) -> None:
@@ -206,7 +207,7 @@ class InitCache:
 
     def _evict(self, entry: LazyEntry) -> None:
         assert entry.full is not None
-        entry.fsdp_param.write_back_from_init(entry.full)
+        write_back_from_init(entry.fsdp_param, entry.full)
         entry.written_back = True
         self._drop(entry)
 

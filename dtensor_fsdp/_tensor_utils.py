@@ -8,6 +8,7 @@ ones, which are shorter or empty. Internally every chunk is padded to the full
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -28,7 +29,8 @@ class ShardGeometry:
     """How a tensor of ``shape`` is split over ``world_size`` ranks along ``dim``.
 
     Dim 0 follows ``torch.chunk`` and pads every chunk to ``ceil(dim0 / W)`` rows. Any
-    other dim must divide evenly (``fully_shard`` checks), so nothing is padded.
+    other dim must divide evenly (``fully_shard`` checks), so nothing is padded. The
+    shapes are computed once: every unshard and gradient landing reads them.
     """
 
     shape: torch.Size
@@ -36,20 +38,20 @@ class ShardGeometry:
     world_size: int
     rank: int
 
-    @property
+    @cached_property
     def padded_local_shape(self) -> torch.Size:
         if self.dim == 0:
             return torch.Size((chunk_rows(self.shape[0], self.world_size), *self.shape[1:]))
         return self._with_dim(self.shape[self.dim] // self.world_size)
 
-    @property
+    @cached_property
     def local_shape(self) -> torch.Size:
         if self.dim == 0:
             rows = local_rows(self.shape[0], self.world_size, self.rank)
             return torch.Size((rows, *self.shape[1:]))
         return self.padded_local_shape
 
-    @property
+    @cached_property
     def padded_unsharded_shape(self) -> torch.Size:
         """W padded chunks stacked along ``dim``: what the all-gather output becomes."""
         local = self.padded_local_shape
@@ -57,9 +59,13 @@ class ShardGeometry:
             (*local[: self.dim], self.world_size * local[self.dim], *local[self.dim + 1 :])
         )
 
-    @property
+    @cached_property
     def padded_shard_numel(self) -> int:
         return math.prod(self.padded_local_shape)
+
+    @cached_property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
 
     def local_chunk(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's (unpadded) chunk of ``tensor``, a view."""
@@ -88,14 +94,14 @@ def free_storage(tensor: torch.Tensor) -> None:
     resizing its storage lets the backward all-gather refill the same storage.
     """
     storage = tensor.untyped_storage()
-    if storage.size() != 0:
+    if storage.nbytes() != 0:
         storage.resize_(0)
 
 
 def alloc_storage(tensor: torch.Tensor, nbytes: int) -> None:
     """Give ``tensor``'s (freed) storage ``nbytes`` again; contents are uninitialized."""
     storage = tensor.untyped_storage()
-    if storage.size() != nbytes:
+    if storage.nbytes() != nbytes:
         storage.resize_(nbytes)
 
 

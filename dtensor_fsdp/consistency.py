@@ -37,12 +37,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .collectives import _all_gather_single
 from .mesh import backend_for
 
 PHASES = ("forward", "backward", "explicit")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-# torch 2.13 renamed it and deprecated the old name; 2.11 has only the old one.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # seq, fqn crc32, phase, kind, nbytes, index of the first non-finite grad (-1: none)
 SIGNATURE_FIELDS = 6
 _NO_NONFINITE = -1

@@ -34,6 +34,7 @@ from torch import nn
 from ._lazy_init import InitCache, LazyEntry, LazyFullTensor
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
+from .param_init import register_for_init, register_full_for_init, write_back_from_init
 from .state import states_under
 
 
@@ -100,19 +101,19 @@ def init_unsharded(
     names = {id(p): n for n, p in module.named_parameters()}
     full: list[tuple[FSDPParam, nn.Parameter]] = []
     try:
-        full.extend((p, p.register_full_for_init()) for p in eager)
+        full.extend((p, register_full_for_init(p)) for p in eager)
         for p in lazy:
             entry = LazyEntry(p, cache, names.get(id(p.sharded_param), p.fqn))
-            p.register_for_init(nn.Parameter(LazyFullTensor(entry), p.requires_grad))
+            register_for_init(p, nn.Parameter(LazyFullTensor(entry), p.requires_grad))
         yield cache
     finally:
         try:
             cache.close()  # writes back the materialized lazy parameters
             for fsdp_param, param in full:
-                fsdp_param.write_back_from_init(param)
+                write_back_from_init(fsdp_param, param)
         finally:
             for fsdp_param in lazy + eager:
-                fsdp_param.register_for_init(None)
+                register_for_init(fsdp_param, None)
 
 
 def _is_lazy(fsdp_param: FSDPParam) -> bool:

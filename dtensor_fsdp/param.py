@@ -33,24 +33,19 @@ These nouns mean one thing each, everywhere in dtensor_fsdp:
   of the averaged gradient.
 """
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ._tensor_utils import ShardGeometry, alloc_storage, contiguous_stride, free_storage
 from .api import MixedPrecisionPolicy
 from .extension import AllGatherExtension, has_all_gather_extension
 from .mesh import MeshInfo, SpmdLayout
-
-# torch 2.13 renamed the single-tensor all-gather and deprecated the old name; 2.11 has
-# only the old one. Same signature either way.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ShardedState(Enum):
@@ -144,6 +139,7 @@ class FSDPParam:
             else None
         )
         assert sharded_storage.numel() == self.sharded_buffer_nbytes
+        self._sharding_spec = self._init_sharding_spec()
         if self.extension is None:
             self._padded_shard = self.padded_shard_view(sharded_storage)
             self._init_sharded_param(original, source.original.requires_grad)
@@ -228,7 +224,22 @@ class FSDPParam:
         # still aliasing the sharded buffer (see `is_current`).
         self._sharded_local = local
 
+    def _init_sharding_spec(self) -> DTensorSpec:
+        """The sharded param's layout in ``dtype``, built once per dtype: the sharded
+        grad of every step wraps its local tensor in it directly, which costs a few
+        Python calls where ``DTensor.from_local`` costs about a hundred (torch's FSDP2
+        does the same, ``_from_local_no_grad``)."""
+        return DTensorSpec(
+            self.layout.mesh,
+            self.layout.placements,
+            tensor_meta=TensorMeta(
+                self.global_shape, contiguous_stride(self.global_shape), self.dtype
+            ),
+        )
+
     def _init_unsharded_param(self) -> None:
+        # `unsharded_rows` views of the padded unsharded buffer, by row count.
+        self._unsharded_rows: dict[int, torch.Tensor] = {}
         if self.extension is not None:
             # Built from the first all-gather, by fsdp_post_all_gather.
             self._padded_unsharded = None
@@ -265,20 +276,24 @@ class FSDPParam:
         (``torch.optim``, ``copy_``) bump the DTensor's version, ops on its local tensor
         (``step_on_local_shards``, ``to_local().copy_()``) the local tensor's; neither
         bumps the other's."""
-        return (_version(self.sharded_param), _version(self.registered_local()))
+        param = self.sharded_param
+        try:  # attribute reads only: this runs for every parameter at every all-gather
+            return (param._version, param._local_tensor._version)
+        except RuntimeError:  # an inference tensor has no version counter to read
+            return (_version(param), _version(param._local_tensor))
 
     def is_current(self) -> bool:
         """Whether the sharded param's local tensor is still this parameter's segment of
         the group's sharded buffer. ``nn.Module._apply`` (``to_empty``, ``to(dtype)``,
         ``cuda()``...) and ``param.data = ...`` replace it; the group then re-derives
         its sharded state (`FSDPParamGroup.reset_sharded_params`)."""
-        local = self.registered_local()
+        local = self.sharded_param._local_tensor  # `registered_local`, inlined (hot)
         if self.extension is not None:
             return local is self._sharded_local
         return (
             local.dtype == self._sharded_local.dtype
             and local.device == self._sharded_local.device
-            and (local.numel() == 0 or local.data_ptr() == self._sharded_local.data_ptr())
+            and (local.data_ptr() == self._sharded_local.data_ptr() or local.numel() == 0)
         )
 
     def unsharded_rows(self, world_size: int) -> torch.Tensor:
@@ -288,7 +303,12 @@ class FSDPParam:
         rows (with world_size = k) for whatever dim, since it only needs *some* split
         of the buffer that it reassembles the same way.
         """
-        return self._padded_unsharded.view(torch.uint8).view(world_size, -1)
+        rows = self._unsharded_rows.get(world_size)
+        if rows is None:
+            # A view stays valid across free_storage/alloc_storage (same storage object).
+            rows = self._padded_unsharded.view(torch.uint8).view(world_size, -1)
+            self._unsharded_rows[world_size] = rows
+        return rows
 
     def extension_all_gather_inputs(self) -> list[torch.Tensor]:
         """The all-gather inputs ``fsdp_pre_all_gather`` makes of the sharded local
@@ -309,10 +329,9 @@ class FSDPParam:
         if self.extension is not None:
             targets = self.extension.copy_out_targets(world_size, self.compute_device)
         else:
-            alloc_storage(
-                self._padded_unsharded,
-                self._padded_unsharded.numel() * self.param_dtype.itemsize,
-            )
+            geometry = self.geometry  # W padded shards in param_dtype
+            nbytes = geometry.world_size * geometry.padded_shard_numel * self.param_dtype.itemsize
+            alloc_storage(self._padded_unsharded, nbytes)
             targets = [self.unsharded_rows(world_size)]
         if self.geometry.dim == 0 or is_post_forward:
             return targets
@@ -348,8 +367,9 @@ class FSDPParam:
         self._assert_in_states(ShardedState.SHARDED)
         assert self.unsharded_param is not None, f"{self.fqn}: unsharded before all-gather"
         # requires_grad may have changed on the sharded param since the last unshard.
-        if self.unsharded_param.requires_grad != self.requires_grad:
-            self.unsharded_param.requires_grad_(self.requires_grad)
+        requires_grad = self.requires_grad
+        if self.unsharded_param.requires_grad != requires_grad:
+            self.unsharded_param.requires_grad_(requires_grad)
         self._register(self.unsharded_param)
         self.sharded_state = ShardedState.UNSHARDED
 
@@ -454,8 +474,8 @@ class FSDPParam:
             Whether the host copy may still be running: the caller must make the host
             wait for it before anything reads the grad there (the optimizer).
         """
-        local_shape = self.geometry.local_shape
-        local = reduced[: math.prod(local_shape)].view(local_shape)  # (*local_shape)
+        geometry = self.geometry
+        local = reduced[: geometry.local_numel].view(geometry.local_shape)  # (*local_shape)
         grad = self.sharded_param.grad
         hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None) or {}
         # The copy may run asynchronously only if nothing on the host reads it before
@@ -463,12 +483,14 @@ class FSDPParam:
         non_blocking = to_host is not None and grad is None and not hooks
         if to_host is not None:
             local = to_host(local, self.dtype, non_blocking)
-        else:
+        elif local.dtype != self.dtype:
             local = local.to(self.dtype)
         if grad is None:
-            self.sharded_param.grad = self._sharded_dtensor(local)
+            # Not differentiable, as torch's: the grad has no grad_fn and no autograd
+            # node is recorded (``DTensor.from_local`` would record one under grad mode).
+            self.sharded_param.grad = DTensor(local, self._sharding_spec, requires_grad=False)
         else:
-            grad.to_local().add_(local)
+            grad._local_tensor.add_(local)
         # Hooks registered on the sharded param (optimizer-in-backward) run once its
         # grad has landed, as autograd would run them for a plain parameter.
         for hook in hooks.values():
@@ -501,209 +523,27 @@ class FSDPParam:
             stride=contiguous_stride(self.global_shape),
         )
 
-    # Re-homing and initialization #
-
-    def reset_sharded_param(self, segment: torch.Tensor) -> None:
-        """Re-derive this parameter from what replaced its local tensor (see `is_current`):
-        take its dtype (and the policy's dtypes for it), copy its values into
-        ``segment`` of the group's new sharded buffer and make that the local tensor.
-
-        Args:
-            segment: 1-D uint8 of `reset_buffer_nbytes` bytes, on the device of the
-                replaced local tensor.
-        """
-        local = self.registered_local()  # (*local_shape), the new dtype and device
-        self.dtype = local.dtype
-        self.param_dtype, self.reduce_dtype = mp_dtypes(self.mp_policy, self.dtype)
-        self.extension = (
-            AllGatherExtension(self.fqn, self.slots[0].module, self.shape)
-            if has_all_gather_extension(local)
-            else None
-        )
-        with torch.no_grad():
-            if self.extension is not None:
-                # A subclass is padded on its own, as in `_init_sharded_subclass`.
-                self._padded_shard = local.new_zeros(self.geometry.padded_local_shape)
-                if segment.is_pinned():
-                    self._padded_shard = self._padded_shard.pin_memory()
-            else:
-                self._padded_shard = self.padded_shard_view(segment)
-                self._padded_shard.zero_()
-            view = self._padded_shard[: self.geometry.local_shape[0]]  # (*local_shape)
-            view.copy_(local)
-        # The same Parameter and DTensor objects, so optimizers, hooks and .grad built on
-        # them stay valid; only the storage behind the local tensor changes (same dtype,
-        # shape and device). torch's FSDP2 swaps the local tensor the same way.
-        self.sharded_param._local_tensor = view
-        self._sharded_local = view
-        self._init_unsharded_param()
-
     def is_replaced(self) -> bool:
         """Whether user code registered another object in this parameter's place since
         it was sharded (``module.w = nn.Parameter(dtensor)``, ``load_state_dict(assign=
         True)`` outside FSDP's hooks, an ``_apply`` that makes new Parameters). Only
         while sharded: otherwise the unsharded param is registered."""
+        slot = self.slots[0]  # `_registered`, inlined: every unshard asks every param
         return (
             self.sharded_state == ShardedState.SHARDED
-            and self._registered() is not self.sharded_param
+            and slot.module._parameters.get(slot.name) is not self.sharded_param
         )
 
     def is_foreign(self) -> bool:
         """Whether the module holds neither this parameter's sharded nor its unsharded
         param: user code replaced it (see `is_replaced`)."""
-        registered = self._registered()
+        slot = self.slots[0]  # `_registered`, inlined: every reshard asks every param
+        registered = slot.module._parameters.get(slot.name)
         return registered is not self.sharded_param and registered is not self.unsharded_param
-
-    def check_replacement(self, owners: "dict[int, FSDPParam]") -> None:
-        """Raise unless the object that replaced the sharded param (`is_replaced`) can
-        become it: an ``nn.Parameter`` wrapping a contiguous DTensor with the sharded
-        param's mesh, placements, global shape and local shape, that is no other FSDP
-        parameter's (``owners``: sharded param id -> FSDPParam, of every group known).
-
-        Raises:
-            ValueError: naming the parameter, what replaced it and the fix.
-        """
-        new = self._registered()
-        owner = owners.get(id(new))
-        if owner is not None and owner is not self:
-            # torch's FSDP2 accepts this and all-gathers the tied values twice, with a
-            # wrong result when the shard is padded; one FSDPParam per tie is not built.
-            raise ValueError(
-                f"FSDP parameter '{self.fqn}' was replaced after fully_shard by the sharded "
-                f"parameter '{owner.fqn}' (a tie made after fully_shard). Tie parameters "
-                "before fully_shard, and put the tied modules in one FSDP group "
-                "(fully_shard([module_a, module_b]) or their common ancestor): FSDP then "
-                "shards one parameter registered in both places"
-            )
-        layout = (
-            f"global shape {tuple(self.global_shape)}, local shape "
-            f"{tuple(self._sharded_local.shape)}, placements {self.layout.placements} on "
-            f"{self.layout.mesh}"
-        )
-        if not (isinstance(new, nn.Parameter) and isinstance(new, DTensor)):
-            what = f"a {type(new).__name__}, not an nn.Parameter wrapping a DTensor"
-        elif (
-            new.device_mesh == self.layout.mesh
-            and tuple(new.placements) == self.layout.placements
-            and new.shape == self.global_shape
-            and new._local_tensor.shape == self._sharded_local.shape
-            and new.is_contiguous()
-        ):
-            return
-        else:
-            what = (
-                f"a DTensor of global shape {tuple(new.shape)}, local shape "
-                f"{tuple(new._local_tensor.shape)}, placements {tuple(new.placements)} on "
-                f"{new.device_mesh}" + ("" if new.is_contiguous() else ", not contiguous")
-            )
-        raise ValueError(
-            f"FSDP parameter '{self.fqn}' was replaced after fully_shard by {what}. FSDP "
-            "adopts a replacing parameter if it is an nn.Parameter wrapping a contiguous "
-            f"DTensor laid out as the one it replaces ({layout}), e.g. computed from other "
-            "sharded parameters or made with distribute_tensor(full, mesh, placements); or "
-            "copy the new values into the registered parameter in place"
-        )
-
-    def adopt_replacement(self) -> None:
-        """Make the object that replaced the sharded param (checked by
-        `check_replacement`) the sharded param, registered in every slot, as torch's
-        FSDP2 does: the user's Parameter is then what the optimizer steps and
-        ``state_dict`` returns. Its local tensor is not in the group's sharded buffer
-        yet: `is_current` is False until the group re-derives it
-        (`FSDPParamGroup.reset_sharded_params`)."""
-        new = self._registered()
-        assert isinstance(new, nn.Parameter), f"{self.fqn}: adopting an unchecked replacement"
-        self.sharded_param = new
-        self._register(new)
 
     def _registered(self) -> nn.Parameter | None:
         slot = self.slots[0]
         return slot.module._parameters.get(slot.name)
-
-    def reset_buffer_nbytes(self) -> int:
-        """`sharded_buffer_nbytes` for the local tensor that replaced this one."""
-        local = self.registered_local()
-        if has_all_gather_extension(local):
-            return 0
-        return self.padded_shard_numel * local.dtype.itemsize
-
-    @property
-    def init_device(self) -> torch.device:
-        """Where ``init_unsharded`` puts this parameter's full tensor: with the sharded
-        param (on the CPU under CPU offload)."""
-        return self._padded_shard.device
-
-    def full_for_init(self, gathered: bool) -> torch.Tensor:
-        """A plain full tensor of this parameter in its original dtype, for init code:
-        uninitialized, or with ``gathered`` all-gathered from every rank's shard (a
-        collective over the shard group that every rank must join)."""
-        if not gathered:
-            return torch.empty(self.shape, dtype=self.dtype, device=self.init_device)
-        geometry = self.geometry
-        # Copies only under CPU offload: the collective runs on the mesh's device.
-        shard = self._padded_shard.to(self.compute_device)  # (*padded_local_shape)
-        rows = shard.new_empty((geometry.world_size, *geometry.padded_local_shape))
-        # 1-D on both sides: gloo checks the shapes.
-        _all_gather_single(rows.view(-1), shard.reshape(-1), group=self.mesh_info.shard_group)
-        if geometry.dim == 0:  # W padded chunks back to back: the first rows are it
-            full = rows.view(geometry.padded_unsharded_shape)[: self.shape[0]]  # (*shape)
-        else:  # (*shape[:dim], W, shape[dim] / W, ...) -> (*shape): concat along dim
-            full = rows.movedim(0, geometry.dim).reshape(self.shape)
-        return full.to(self.init_device)
-
-    def register_full_for_init(self) -> nn.Parameter:
-        """Register a temporary full parameter in the original dtype, for init code to
-        fill exactly as it would fill the unsharded model (the eager path of
-        ``init_unsharded``, for tensor-parallel and all-gather-extension params)."""
-        full = self.full_for_init(gathered=False)
-        param = nn.Parameter(self._as_unsharded(full), requires_grad=self.requires_grad)
-        self._register(param)
-        return param
-
-    def register_for_init(self, param: nn.Parameter | None) -> None:
-        """Register ``param`` (``init_unsharded``'s lazy full parameter) in every slot,
-        or, with None, the sharded param again."""
-        self._register(self.sharded_param if param is None else param)
-
-    def write_back_from_init(self, full: torch.Tensor) -> None:
-        """Keep this rank's chunk of the initialized full parameter (a plain tensor or,
-        for TP, a DTensor) in the sharded param."""
-        data = full.to_local() if isinstance(full, DTensor) else full
-        with torch.no_grad():
-            self._sharded_local.copy_(self.geometry.local_chunk(data.detach()))
-
-    # State dicts #
-
-    def to_sharded_value(self, value: torch.Tensor) -> DTensor:
-        """A state-dict value for this parameter, in the sharded param's placements.
-
-        A plain tensor is taken as the full parameter and this rank keeps its chunk; a
-        DTensor with other placements or another mesh is redistributed. No rank sends
-        the whole model to the others.
-        """
-        mesh, placements = self.layout.mesh, self.layout.placements
-        if isinstance(value, DTensor):
-            if value.device_mesh == mesh and tuple(value.placements) == placements:
-                return value
-            value = value.full_tensor() if value.device_mesh != mesh else value
-        if not isinstance(value, DTensor):
-            value = DTensor.from_local(
-                value.to(self._padded_shard.device),
-                mesh,
-                [Replicate()] * mesh.ndim,
-                run_check=False,
-            )
-        return value.redistribute(mesh, placements)
-
-    def adopt_assigned(self) -> None:
-        """After ``load_state_dict(assign=True)`` put a new Parameter in our slots: copy
-        its values into the sharded param, which stays the registered object."""
-        assigned = self.slots[0].module._parameters[self.slots[0].name]
-        if assigned is self.sharded_param or assigned is None:
-            return
-        with torch.no_grad():
-            self._sharded_local.copy_(assigned.to_local())
-        self._register(self.sharded_param)
 
     def _register(self, tensor: nn.Parameter) -> None:
         # Write the module's parameter dict directly: `setattr` would run nn.Module's

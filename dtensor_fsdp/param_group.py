@@ -23,7 +23,6 @@ and before an all-gather that finds a replaced local tensor.
 
 import time
 import weakref
-from contextlib import ExitStack
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -47,6 +46,12 @@ from .collectives import (
 from .extension import has_all_gather_extension
 from .mesh import MeshInfo
 from .param import FSDPParam, ParamToShard, ShardedState
+from .param_reset import (
+    adopt_replacement,
+    check_replacement,
+    reset_buffer_nbytes,
+    reset_sharded_param,
+)
 from .reduction import GradientReduction
 from .scheduler import CommContext
 from .streams import CommStreams, StreamRole
@@ -200,6 +205,12 @@ class FSDPParamGroup:
         # builds the all-gather input in this order (largest param_dtype first again, so
         # the cast writes aligned views).
         # CommPrecisionPolicy.all_gather: the selected params travel encoded, at the end.
+        self._version_tracked_cache: tuple[torch.Tensor, ...] | None = None
+        self._padded_shards_cache: dict[FSDPParam, torch.Tensor] | None = None
+        # Only these have anything to do after the copy-out (`FSDPParam.finish_copy_out`).
+        self._finishes_copy_out = [
+            p for p in self.fsdp_params if p.extension is not None or p.geometry.dim != 0
+        ]
         plain = [p for p in self.fsdp_params if p.extension is None]
         quantized = [p for p in plain if self._quantizes_all_gather(p)]
         self._quantized_all_gather_order = quantized
@@ -207,6 +218,7 @@ class FSDPParamGroup:
             (p for p in plain if p not in quantized), key=lambda p: -p.param_dtype.itemsize
         )
         self._plain_all_gather_split = [p.all_gather_nbytes for p in self._plain_all_gather_order]
+        self._plain_all_gather_dtypes = [p.param_dtype for p in self._plain_all_gather_order]
         # Exactly copied columns of a full all-gather, in order.
         self._all_gather_order = self._plain_all_gather_order + [
             p for p in self.fsdp_params if p.extension is not None
@@ -224,6 +236,15 @@ class FSDPParamGroup:
         # there: fully_shard refuses it), quantized or not, as unsharded bytes.
         self._post_forward_order = self._plain_all_gather_order + quantized
         self._casts_on_all_gather = any(p.param_dtype != p.dtype for p in plain)
+        # Mixed precision's usual case, one dtype cast to one param_dtype and nothing
+        # else: the all-gather input is the whole sharded buffer cast in one op (its
+        # order is then the all-gather order; padding casts to zeros).
+        self._casts_whole_buffer = (
+            self._casts_on_all_gather
+            and len(plain) == len(self.fsdp_params)
+            and not quantized
+            and len({(p.dtype, p.param_dtype) for p in plain}) == 1
+        )
         self._copies_in = (
             self._casts_on_all_gather or len(plain) < len(self.fsdp_params) or bool(quantized)
         )
@@ -303,15 +324,15 @@ class FSDPParamGroup:
 
         Raises:
             ValueError: a sharded param was replaced by something FSDP cannot adopt (see
-                `FSDPParam.check_replacement`); nothing is changed then.
+                `check_replacement` (param_reset.py)); nothing is changed then.
         """
         replaced = [p for p in self.fsdp_params if p.is_replaced()]
         if replaced:
             owners = self.tree_params if self.tree_params is not None else self.fsdp_params
             self.check_replacements({id(p.sharded_param): p for p in owners})
             for fsdp_param in replaced:
-                fsdp_param.adopt_replacement()
-        if all(p.is_current() for p in self.fsdp_params):
+                adopt_replacement(fsdp_param)
+        if not [p for p in self.fsdp_params if not p.is_current()]:
             return False
         locals_ = [p.registered_local() for p in self.fsdp_params]
         devices = {t.device for t in locals_}
@@ -325,7 +346,7 @@ class FSDPParamGroup:
         # See [Note: sharded buffer] for the order; sorted in place, since the reduction
         # holds this same list.
         self.fsdp_params.sort(key=lambda p: -p.registered_local().dtype.itemsize)
-        sizes = [p.reset_buffer_nbytes() for p in self.fsdp_params]
+        sizes = [reset_buffer_nbytes(p) for p in self.fsdp_params]
         pin = self.offload is not None and self.offload.pin_memory and self.device.type != "cpu"
         self.sharded_buffer = torch.empty(
             sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin
@@ -333,17 +354,17 @@ class FSDPParamGroup:
         for fsdp_param, segment in zip(
             self.fsdp_params, self.sharded_buffer.split(sizes), strict=True
         ):
-            fsdp_param.reset_sharded_param(segment)
+            reset_sharded_param(fsdp_param, segment)
         self._init_all_gather_layout()
         return True
 
     def check_replacements(self, owners: dict[int, FSDPParam]) -> None:
-        """`FSDPParam.check_replacement` for every replaced param of the group;
+        """`check_replacement` (param_reset.py) for every replaced param of the group;
         ``owners`` maps sharded param ids to their FSDPParams (this group's, or at lazy
         init every group's of the tree)."""
         for fsdp_param in self.fsdp_params:
             if fsdp_param.is_replaced():
-                fsdp_param.check_replacement(owners)
+                check_replacement(fsdp_param, owners)
 
     # Runtime #
 
@@ -416,13 +437,9 @@ class FSDPParamGroup:
             self.ctx.release_kept_all_gather()
         self._post_forward_buffer = None  # its contents are in the all-gather output now
         world_size = source.mesh_info.shard_size
-        with ExitStack() as stack:
-            # Autograd saved these tensors in forward; refilling them in backward must
-            # not look like an in-place change to its version check.
-            for tensor in (t for p in self.fsdp_params for t in p.version_tracked()):
-                # Inference tensors (made under inference_mode) have no version counter.
-                if not tensor.is_inference():
-                    stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
+        # Autograd saved these tensors in forward; refilling them in backward must not
+        # look like an in-place change to its version check. One guard for the group.
+        with torch.autograd._unsafe_preserve_version_counter(self._version_tracked()):
             is_post_forward = source.mesh_info is not self.mesh_info
             exact = self._post_forward_order if is_post_forward else self._all_gather_order
             rows = result.output.view(world_size, -1)  # (W, bytes per rank)
@@ -442,7 +459,7 @@ class FSDPParamGroup:
                         for p in self._quantized_all_gather_order
                     ],  # each (W, padded_shard_numel)
                 )
-            for fsdp_param in self.fsdp_params:
+            for fsdp_param in self._finishes_copy_out:
                 fsdp_param.finish_copy_out()
         self._release_copied_out(result, world_size)
         for fsdp_param in self.fsdp_params:
@@ -620,16 +637,14 @@ class FSDPParamGroup:
         sharded = self.sharded_buffer.to(self.device, non_blocking=True)
         if not self._copies_in:
             return AllGatherSource(sharded, self.mesh_info, self._plain_all_gather_split)
-        sources = dict(
-            zip(
-                self.fsdp_params,
-                sharded.split([p.sharded_buffer_nbytes for p in self.fsdp_params]),
-                strict=True,
-            )
-        )
+        if self._casts_whole_buffer:
+            first = self.fsdp_params[0]
+            cast = sharded.view(first.dtype).to(first.param_dtype).view(torch.uint8)
+            return AllGatherSource(cast, self.mesh_info, self._plain_all_gather_split)
+        shards = self._padded_shards(sharded)
         copied_in = copy_in(
-            [p.padded_shard_view(sources[p]) for p in self._plain_all_gather_order],
-            [p.param_dtype for p in self._plain_all_gather_order],
+            [shards[p] for p in self._plain_all_gather_order],
+            self._plain_all_gather_dtypes,
             [
                 t
                 for p in self._all_gather_order
@@ -638,11 +653,41 @@ class FSDPParamGroup:
             ],
             self._all_gather_wire,
             # Encoded from the sharded (master) values, not from a param_dtype copy.
-            [p.padded_shard_view(sources[p]).view(1, -1) for p in self._quantized_all_gather_order],
+            [shards[p].view(1, -1) for p in self._quantized_all_gather_order],
         )
         return AllGatherSource(
             copied_in.input, self.mesh_info, copied_in.split_nbytes, self._all_gather_wire
         )
+
+    def _padded_shards(self, sharded: torch.Tensor) -> dict[FSDPParam, torch.Tensor]:
+        """Each param's padded shard in ``sharded`` (the sharded buffer, or its copy on
+        the compute device under CPU offload); the views of the sharded buffer itself
+        are built once per layout."""
+        if sharded is self.sharded_buffer and self._padded_shards_cache is not None:
+            return self._padded_shards_cache
+        segments = sharded.split([p.sharded_buffer_nbytes for p in self.fsdp_params])
+        shards = {
+            p: p.padded_shard_view(segment)
+            for p, segment in zip(self.fsdp_params, segments, strict=True)
+            if p.extension is None  # an extension's subclass is not in the buffer
+        }
+        if sharded is self.sharded_buffer:
+            self._padded_shards_cache = shards
+        return shards
+
+    def _version_tracked(self) -> tuple[torch.Tensor, ...]:
+        """The tensors copy-out writes into that autograd may have saved, but for
+        inference tensors (made under inference_mode), which have no version counter.
+        Built once per layout: plain params keep their unsharded tensors until
+        `reset_sharded_params`; an extension may build new ones at any copy-out."""
+        if self._version_tracked_cache is not None:
+            return self._version_tracked_cache
+        tracked = tuple(
+            t for p in self.fsdp_params for t in p.version_tracked() if not t.is_inference()
+        )
+        if all(p.extension is None for p in self.fsdp_params):
+            self._version_tracked_cache = tracked
+        return tracked
 
     def _wait_all_gather(self) -> AllGatherResult | None:
         result, self._all_gather = self._all_gather, None

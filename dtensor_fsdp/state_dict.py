@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ._safetensors_file import (
     check_written,
@@ -38,6 +38,7 @@ from ._safetensors_file import (
     read_state_dict,
     write_tensor,
 )
+from .param import FSDPParam
 from .state import FSDPState, state_of
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's files are zip archives
@@ -68,7 +69,7 @@ def _shard_loaded_values(state: FSDPState, root: nn.Module) -> Callable[..., Non
             for slot in fsdp_param.slots:
                 key = prefix + slot.key
                 if slot.root is root and key in state_dict:
-                    state_dict[key] = fsdp_param.to_sharded_value(state_dict[key])
+                    state_dict[key] = _to_sharded_value(fsdp_param, state_dict[key])
 
     return hook
 
@@ -77,9 +78,42 @@ def _adopt_assigned(state: FSDPState) -> Callable[..., None]:
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
         if state.group is not None:
             for fsdp_param in state.group.fsdp_params:
-                fsdp_param.adopt_assigned()
+                _copy_assigned(fsdp_param)
 
     return hook
+
+
+def _to_sharded_value(fsdp_param: FSDPParam, value: torch.Tensor) -> DTensor:
+    """A state-dict value for this parameter, in the sharded param's placements.
+
+    A plain tensor is taken as the full parameter and this rank keeps its chunk; a
+    DTensor with other placements or another mesh is redistributed. No rank sends
+    the whole model to the others.
+    """
+    mesh, placements = fsdp_param.layout.mesh, fsdp_param.layout.placements
+    if isinstance(value, DTensor):
+        if value.device_mesh == mesh and tuple(value.placements) == placements:
+            return value
+        value = value.full_tensor() if value.device_mesh != mesh else value
+    if not isinstance(value, DTensor):
+        value = DTensor.from_local(
+            value.to(fsdp_param._padded_shard.device),
+            mesh,
+            [Replicate()] * mesh.ndim,
+            run_check=False,
+        )
+    return value.redistribute(mesh, placements)
+
+
+def _copy_assigned(fsdp_param: FSDPParam) -> None:
+    """After ``load_state_dict(assign=True)`` put a new Parameter in our slots: copy
+    its values into the sharded param, which stays the registered object."""
+    assigned = fsdp_param.slots[0].module._parameters[fsdp_param.slots[0].name]
+    if assigned is fsdp_param.sharded_param or assigned is None:
+        return
+    with torch.no_grad():
+        fsdp_param._sharded_local.copy_(assigned.to_local())
+    fsdp_param._register(fsdp_param.sharded_param)
 
 
 def validate_state_dict(
