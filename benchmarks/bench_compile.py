@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _compile_recipes import IMPLS, ROWS, FSDP, Build, Row, compile_blocks, eager, fsdp_impl
+from _compile_recipes import FSDP, IMPLS, ROWS, Build, Row, compile_blocks, eager, fsdp_impl
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh

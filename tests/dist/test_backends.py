@@ -26,6 +26,7 @@ from dtensor_fsdp import fully_shard
 from dtensor_fsdp.collectives import (
     ReductionPlan,
     all_reduce,
+    copy_in_grads,
     finish_reduce_scatter,
     reduce_scatter,
 )
@@ -60,7 +61,8 @@ def _expected_chunk(rank: int, world_size: int) -> torch.Tensor:
 
 def _reduce(plan: ReductionPlan) -> dict[str, torch.Tensor]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    result = reduce_scatter(_rank_grads(rank), torch.float32, dist.group.WORLD, plan, async_op=True)
+    reduce_input = copy_in_grads(_rank_grads(rank), torch.float32, world_size)
+    result = reduce_scatter(reduce_input, dist.group.WORLD, plan, async_op=True)
     if result.work is not None:
         result.work.wait()
     return {"got": finish_reduce_scatter(result), "sum": _expected_chunk(rank, world_size)}
