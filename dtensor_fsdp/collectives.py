@@ -223,6 +223,13 @@ def copy_in_grads(
     Returns:
         (W, sum of padded shard numels): row r holds rank r's padded chunk of every grad.
     """
+    if len({g.dtype for g in unsharded_grads}) > 1:
+        # `_chunk_cat` needs one input dtype. Mixed only after micro-batches without
+        # sync under mixed precision: a param with a grad in an earlier micro-batch
+        # brings its reduce_dtype accumulator, one first used in the last its
+        # param_dtype grad (or zeros, reduce_scatter_unused_params). torch's FSDP2
+        # refuses this case; casting the odd ones is exact (a widening cast).
+        unsharded_grads = [g.to(reduce_dtype) for g in unsharded_grads]
     shard_numel = sum(_padded_chunk_numel(g, world_size) for g in unsharded_grads)
     reduce_input = torch.empty(
         (world_size, shard_numel), dtype=reduce_dtype, device=unsharded_grads[0].device

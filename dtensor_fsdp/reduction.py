@@ -189,8 +189,14 @@ class GradientReduction:
                 "reduce_scatter",
                 sum(g.numel() for g in grads) * reduce_dtype.itemsize,
                 grad_names=[p.fqn for p in with_grad],
-                # As the collective will carry them: a cast may overflow (fp32 to fp16).
-                first_nonfinite=first_nonfinite([g.to(reduce_dtype) for g in grads])
+                # As the collective will carry them: a narrowing cast may overflow (fp32
+                # to fp16); a widening one cannot, so no fp32 copies of bf16 grads.
+                first_nonfinite=first_nonfinite(
+                    [
+                        g.to(reduce_dtype) if g.dtype.itemsize > reduce_dtype.itemsize else g
+                        for g in grads
+                    ]
+                )
                 if ctx.check.finite_grads
                 else -1,
             )
@@ -239,7 +245,7 @@ class GradientReduction:
             self._land(issued.params, reduced, issued.post_divisor, ctx.streams)
             return
         for fsdp_param, chunk in zip(
-            issued.params, self._split(reduced, issued.params), strict=True
+            issued.params, split_reduced(reduced, issued.params), strict=True
         ):
             fsdp_param.accumulate_partial_grad(chunk)
 
@@ -271,7 +277,7 @@ class GradientReduction:
             self._wait_reduce_scatter(issued)
             reduced = finish_any_reduce_scatter(issued.result)
             pending = self._all_reduce_over_replicas(
-                dict(zip(issued.params, self._split(reduced, issued.params), strict=True)),
+                dict(zip(issued.params, split_reduced(reduced, issued.params), strict=True)),
                 average=issued.result.plan.average_in_all_reduce,
                 policy=issued.policy,
                 check=ctx.check,
@@ -318,10 +324,6 @@ class GradientReduction:
         """Block the host until this backward's asynchronous grad copies have landed."""
         event, self.offload_event = self.offload_event, None
         streams.wait_on_host(event)
-
-    @staticmethod
-    def _split(reduced: torch.Tensor, params: list[FSDPParam]) -> tuple[torch.Tensor, ...]:
-        return split_reduced(reduced, params)
 
     def _all_reduce_over_replicas(
         self,

@@ -193,6 +193,12 @@ class FSDPState:
         assert self.ctx is not None
         if self.is_root:
             self.ctx.end_forward()
+        elif not self.ctx.is_in_forward:
+            # A module run outside the root's forward (a chunked loss's output head):
+            # no later copy-out of this forward releases the all-gather output its
+            # copy-out kept, as torch's releases at the end of the iteration's first
+            # forward. See [Note: forward all-gather overlap].
+            self.ctx.release_kept_all_gather()
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.mp_policy.output_dtype)
         if self.group is None or self._is_recomputing_in_backward():

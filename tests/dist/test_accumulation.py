@@ -23,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from dtensor_fsdp import CommTrace, MixedPrecisionPolicy
+from dtensor_fsdp import fully_shard as fully_shard_ours
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests.dist._mlp import mlp, shard_mlp
 from tests.dist._parity import assert_pairs_close, assert_params_close, full_pairs, make_optimizer
@@ -157,6 +158,54 @@ def _bf16_against_torch(rank: int, mesh: Any) -> dict[str, Any]:
     return {"steps": steps}
 
 
+class _TwoHeads(nn.Module):
+    """``b`` takes part only when asked: unused in early micro-batches (MoE experts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def _bf16_param_first_used_in_last_micro_batch(rank: int, mesh: Any) -> dict[str, Any]:
+    """bf16 compute, fp32 reduction, two micro-batches without sync then one with: ``b``
+    gets its first grad only in the last, so the group reduces ``a``'s fp32
+    accumulator beside ``b``'s bf16 grad. Ours: the grads a plain bf16 replica gets
+    (accumulated in fp32 as FSDP does, averaged over ranks); torch's: its error."""
+    torch.manual_seed(0)
+    base = _TwoHeads()
+    replica = copy.deepcopy(base).to(torch.bfloat16)
+    shard = {"ours": fully_shard_ours, "torch": torch_fully_shard}
+    policies = {
+        "ours": MixedPrecisionPolicy(**BF16_POLICY),
+        "torch": TorchMixedPrecisionPolicy(**BF16_POLICY),
+    }
+    models = {k: shard[k](copy.deepcopy(base), mesh=mesh, mp_policy=policies[k]) for k in shard}
+    gen = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(BATCH, 8, generator=gen) for _ in range(MICRO)]
+    out: dict[str, Any] = {}
+    for name, model in models.items():
+        try:
+            for m, x in enumerate(xs):
+                model.set_requires_gradient_sync(m == MICRO - 1)
+                model(x, use_b=m == MICRO - 1).sum().backward()
+            out[name] = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+        except Exception as e:  # torch's FSDP2 refuses mixed grad dtypes
+            out[name] = f"{type(e).__name__}: {e}"
+    # The replica: each micro-batch's bf16 grads, summed in fp32 in FSDP's order.
+    summed: dict[str, torch.Tensor] = {}
+    for m, x in enumerate(xs):
+        replica.zero_grad()
+        replica(x.bfloat16(), use_b=m == MICRO - 1).sum().backward()
+        for n, p in replica.named_parameters():
+            if p.grad is not None:
+                summed[n] = p.grad.float() if n not in summed else summed[n].add_(p.grad)
+    out["replica"] = summed
+    return out
+
+
 def _run(rank: int, world_size: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world_size,))
     return run_scenarios({
@@ -164,6 +213,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
         "keep": lambda: _accumulate(rank, mesh, "keep"),
         "no_sync_context": lambda: _accumulate(rank, mesh, "no_sync_context"),
         "bf16": lambda: _bf16_against_torch(rank, mesh),
+        "bf16_late_param": lambda: _bf16_param_first_used_in_last_micro_batch(rank, mesh),
     })
 
 
@@ -229,3 +279,20 @@ def test_bf16_accumulation_loosely_matches_fp32_single_process(run):
         bf16_err = ((single_bf16 - ref).norm() / ref.norm()).item()
         assert 0 < ours_err <= 1.2 * bf16_err + 1e-3, (name, ours_err, bf16_err)
         torch.testing.assert_close(ours, single_bf16, atol=2e-3, rtol=5e-2, msg=name)
+
+
+def test_a_param_first_used_in_the_last_micro_batch_reduces_under_mixed_precision(run):
+    """torch's FSDP2 fails this backward (mixed fp32 accumulator and bf16 grad in one
+    reduce-scatter); ours reduces it (README, differences): every rank's grads equal
+    the average over ranks of the replica's fp32-accumulated bf16 grads. Tolerance:
+    the W=2 sum and the divide by 2 are exact in fp32 up to one rounding of the sum,
+    which both sides do in fp32 but maybe in another order."""
+    records = scenario_records(run, "bf16_late_param")
+    for rank, rec in enumerate(records):
+        assert isinstance(rec["torch"], str), rec["torch"]
+        assert "uniform gradient dtype" in rec["torch"], rec["torch"]
+        for name, grad in rec["ours"].items():
+            full = sum(r["replica"][name] for r in records) / len(records)
+            rows = -(-full.shape[0] // len(records))  # ceil: torch.chunk's rows per rank
+            expected = full[rank * rows : (rank + 1) * rows]
+            torch.testing.assert_close(grad, expected, rtol=1.3e-6, atol=1e-7, msg=name)

@@ -304,7 +304,35 @@ def _schedule(rank: int, mesh: Any) -> dict[str, Any]:
         ours[2].unshard()
         explicit = list(streams.log)
         ours[2].reshard()
-    return {"log": step_log, "explicit": explicit, "records": records, "alive": alive}
+    return {
+        "log": step_log,
+        "explicit": explicit,
+        "records": records,
+        "alive": alive,
+        "alive_after_direct_call": _alive_after_direct_call(ours[2], torch.randn(4, 16)),
+    }
+
+
+def _alive_after_direct_call(block: torch.nn.Module, x: torch.Tensor) -> int:
+    """All-gather outputs alive once a non-root FSDP module's forward, called outside
+    the root's forward (a chunked loss's output head, say), has returned."""
+    outputs: list[weakref.ref[torch.Tensor]] = []
+    original = param_group_module.all_gather
+
+    def all_gather(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        outputs.append(weakref.ref(result.output))
+        return result
+
+    param_group_module.all_gather = all_gather
+    try:
+        with torch.no_grad():
+            block(x)
+    finally:
+        param_group_module.all_gather = original
+    gc.collect()
+    assert outputs, "the block all-gathered nothing"
+    return sum(ref() is not None for ref in outputs)
 
 
 def _hpz(rank: int, mesh: Any) -> list[tuple[str, ...]]:
@@ -567,6 +595,10 @@ def test_forward_all_gather_overlaps_the_previous_copy_out_and_compute(run) -> N
         forward_alive, backward_alive = rec["alive"][:3], rec["alive"][3:]
         assert max(forward_alive) == 2, rec["alive"]  # one kept while the next gathers
         assert backward_alive == [1, 1], rec["alive"]
+        # torch releases the kept result at the post-forward of the iteration's first
+        # forward (`FSDPState._post_forward`, `iter_forward_root`): a module run on its
+        # own keeps nothing past its forward.
+        assert rec["alive_after_direct_call"] == 0, rec["alive_after_direct_call"]
 
 
 def test_training_through_the_streams_matches_torch(run) -> None:
