@@ -3,6 +3,15 @@
 A drop-in for ``torch.distributed.fsdp``'s FSDP2 API: switch with one import line.
 """
 
+# torch's FSDP registers the "fake" c10d backend as a side effect of its import (FSDP1's
+# _flat_param imports torch's fake_pg), and FSDP users rely on it: torchtitan gives
+# size-1 mesh axes that backend. Importing dtensor_fsdp alone does the same. The module
+# is torch-private; a torch without it just goes without the registration.
+try:
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+except ImportError:  # pragma: no cover
+    pass
+
 from .api import (
     AllGather,
     CommPrecisionPolicy,
