@@ -607,9 +607,15 @@ class FSDPParamGroup:
         # is about to change them, so the next forward must not use it.
         if self._wait_all_gather() is not None:
             self._release_all_gather()
-        self.reset_iter_state()
+        # The post-backward nodes still pending belong to forwards whose backward has
+        # not run (two forwards, then one backward each): they stay, so the last of them
+        # runs this group's post-backward once in that backward, as torch's does.
+        # Nodes of a graph dropped without a backward leave the weak set with it.
+        self.training_state = TrainingState.IDLE
+        self._forwarded_modules.clear()
 
     def reset_iter_state(self) -> None:
+        """Abandon the iteration (after an exception, or the user's call)."""
         self.training_state = TrainingState.IDLE
         self._forwarded_modules.clear()
         self._pending_post_backward_nodes.clear()

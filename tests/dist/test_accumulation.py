@@ -24,9 +24,16 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from dtensor_fsdp import CommTrace, MixedPrecisionPolicy
 from dtensor_fsdp import fully_shard as fully_shard_ours
+from tests._c10d import C10dRecorder, count_of
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests.dist._mlp import mlp, shard_mlp
-from tests.dist._parity import assert_pairs_close, assert_params_close, full_pairs, make_optimizer
+from tests.dist._parity import (
+    assert_pairs_close,
+    assert_params_close,
+    full_pairs,
+    local_pairs,
+    make_optimizer,
+)
 
 WORLD_SIZE = 2
 MICRO = 3  # micro-batches per optimizer step
@@ -206,6 +213,52 @@ def _bf16_param_first_used_in_last_micro_batch(rank: int, mesh: Any) -> dict[str
     return out
 
 
+class _BodyHead(nn.Module):
+    """A block, then a head of two modules sharded as one group (``fully_shard([norm,
+    out])``), as torchtitan groups a final norm with the output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.norm, self.out = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.body(x)))
+
+
+def _two_forwards_then_two_backwards(rank: int, mesh: Any) -> dict[str, Any]:
+    """Two forwards, then one backward each, accumulating into the same sharded grads:
+    the collectives each FSDP issues per step (c10d level) and the grads."""
+    torch.manual_seed(0)
+    base = _BodyHead()
+    models = {}
+    for name, shard in (("ours", fully_shard_ours), ("torch", torch_fully_shard)):
+        model = copy.deepcopy(base)
+        shard(model.body, mesh=mesh)
+        shard([model.norm, model.out], mesh=mesh)
+        models[name] = shard(model, mesh=mesh)
+    gen = torch.Generator().manual_seed(rank)
+    steps = []
+    for _ in range(2):
+        xs = [torch.randn(BATCH, 8, generator=gen) for _ in range(2)]
+        rec: dict[str, Any] = {}
+        for name, model in models.items():
+            with C10dRecorder() as recorder:
+                losses = [model(x).sum() for x in xs]
+                for loss in losses:
+                    loss.backward()
+            records = recorder.records
+            rec[name] = {
+                "all_gathers": count_of(records, "all_gather"),
+                # gloo: ours reduce-scatters by all-to-all, torch by reduce_scatter_tensor.
+                "reductions": count_of(records, "reduce_scatter") + count_of(records, "all_to_all"),
+            }
+        rec["grads"] = local_pairs(models["ours"], models["torch"], grads=True)
+        for model in models.values():
+            model.zero_grad()
+        steps.append(rec)
+    return {"steps": steps}
+
+
 def _run(rank: int, world_size: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world_size,))
     return run_scenarios({
@@ -214,6 +267,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
         "no_sync_context": lambda: _accumulate(rank, mesh, "no_sync_context"),
         "bf16": lambda: _bf16_against_torch(rank, mesh),
         "bf16_late_param": lambda: _bf16_param_first_used_in_last_micro_batch(rank, mesh),
+        "two_backwards": lambda: _two_forwards_then_two_backwards(rank, mesh),
     })
 
 
@@ -296,3 +350,19 @@ def test_a_param_first_used_in_the_last_micro_batch_reduces_under_mixed_precisio
             rows = -(-full.shape[0] // len(records))  # ceil: torch.chunk's rows per rank
             expected = full[rank * rows : (rank + 1) * rows]
             torch.testing.assert_close(grad, expected, rtol=1.3e-6, atol=1e-7, msg=name)
+
+
+def test_two_forwards_then_two_backwards_reduce_each_group_once_per_backward(run):
+    """A group of two modules all-gathered in backward is reduced once per backward, as
+    torch's (ours reduced it a third time: the first backward's end dropped the second
+    forward's pending post-backward nodes, so each of its two modules' nodes ran a
+    post-backward). Grads bitwise torch's. torch re-gathers the group between its two
+    modules' backwards in the second backward; ours keeps it unsharded until the
+    group's post-backward: one all-gather fewer, never more."""
+    for rank, records in enumerate(scenario_records(run, "two_backwards")):
+        for step, rec in enumerate(records["steps"]):
+            ours, theirs = rec["ours"], rec["torch"]
+            assert ours["reductions"] == theirs["reductions"] == 4, (rank, step, rec)
+            assert ours["all_gathers"] <= theirs["all_gathers"], (rank, step, rec)
+            for name, (a, b) in rec["grads"].items():
+                assert torch.equal(a, b), f"rank {rank} step {step} {name}"
