@@ -47,6 +47,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import dtensor_fsdp.param_group as param_group_module
 from dtensor_fsdp import CommTrace, CPUOffloadPolicy
+from dtensor_fsdp.collectives import AllGatherResult
 from dtensor_fsdp.reduction import GradientReduction
 from dtensor_fsdp.streams import CommStreams, DeviceStreams, StreamRole
 from tests._harness import run_distributed, run_scenarios, scenario_records
@@ -134,6 +135,7 @@ def _logging_collectives(
         streams.log.append(("all_gather", streams._name(streams.role)))
         result = original(*args, **kwargs)
         if alive is not None:
+            result = _held_only_by_fsdp(result)
             outputs.append(weakref.ref(result.output))
             gc.collect()
             alive.append(sum(ref() is not None for ref in outputs))
@@ -313,6 +315,15 @@ def _schedule(rank: int, mesh: Any) -> dict[str, Any]:
     }
 
 
+def _held_only_by_fsdp(result: AllGatherResult) -> AllGatherResult:
+    """``result`` done, its output in a tensor no backend knows: gloo's work may hold
+    its own output for a moment after the wait, which a weak-reference count of what
+    FSDP keeps alive must not see."""
+    if result.work is not None:
+        result.work.wait()
+    return AllGatherResult(output=result.output.clone(), work=None)
+
+
 def _alive_after_direct_call(block: torch.nn.Module, x: torch.Tensor) -> int:
     """All-gather outputs alive once a non-root FSDP module's forward, called outside
     the root's forward (a chunked loss's output head, say), has returned."""
@@ -320,7 +331,7 @@ def _alive_after_direct_call(block: torch.nn.Module, x: torch.Tensor) -> int:
     original = param_group_module.all_gather
 
     def all_gather(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
+        result = _held_only_by_fsdp(original(*args, **kwargs))
         outputs.append(weakref.ref(result.output))
         return result
 
