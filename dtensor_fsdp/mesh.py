@@ -30,15 +30,19 @@ class MeshInfo:
     spmd_mesh: DeviceMesh | None = None
     spmd_dp_axes: tuple[int, ...] = ()
 
+    # Sizes and ranks are read per parameter at every step; a mesh's never change, so
+    # they are computed once (``DeviceMesh.size`` and ``get_local_rank`` are Python).
+    # The process group is not cached: it stays out of copies and pickles of this.
+
     @property
     def shard_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group(self.shard_axis)
 
-    @property
+    @functools.cached_property
     def shard_size(self) -> int:
         return self.mesh.size(self.shard_axis)
 
-    @property
+    @functools.cached_property
     def shard_rank(self) -> int:
         return self.mesh.get_local_rank(self.shard_axis)
 
@@ -62,7 +66,7 @@ class MeshInfo:
         assert self.replicate_axis is not None
         return self.mesh.get_group(self.replicate_axis)
 
-    @property
+    @functools.cached_property
     def replicate_size(self) -> int:
         return 1 if self.replicate_axis is None else self.mesh.size(self.replicate_axis)
 
