@@ -206,7 +206,7 @@ def _train_single_process(case: str) -> dict[str, Any]:
     model = build(_config(case), SEED)
     optim = make_optimizer(model.parameters())
     losses = []
-    for step in range(STEPS):
+    for _ in range(STEPS):
         loss = loss_sum(model, _batch(), GLOBAL_TOKENS)
         loss.backward()
         optim.step()
@@ -219,7 +219,6 @@ def _train_single_process(case: str) -> dict[str, Any]:
 
 
 def _worker(rank: int, world_size: int) -> dict:
-    torch.manual_seed(SEED)  # the scatter of distribute_tensor sends rank 0's (equal) values
     scenarios = {}
     for case in CASES:
         for name, impl in IMPLS.items():
