@@ -5,7 +5,7 @@ The model (``_moe.py``): a decoder of one dense block and two MoE blocks (router
 expert weights, a shared expert, token dispatch by all-to-all under EP). The calls
 (``_titan_fsdp.py``): torchtitan's ``apply_fsdp_to_decoder`` on torchtitan's meshes
 (dense ``fsdp`` axis of 4; with EP 2 the sparse ``efsdp`` x ``ep`` axes, 2 x 2). The
-cases are torchtitan's four branches for MoE blocks, plus one in bf16:
+cases are torchtitan's four branches for MoE blocks, plus one in bf16 and one variant:
 
 - ``ep1_shard0``: 4 experts on 4 ranks: a plain ``fully_shard(block)``.
 - ``ep1_shard1``: 2 experts, fewer than the ranks: a ``shard_placement_fn`` returning
@@ -17,6 +17,10 @@ cases are torchtitan's four branches for MoE blocks, plus one in bf16:
   sets it for EP.
 - ``ep2_shard1``: EP 2, 2 experts (one per EP rank): ``Shard(1)`` on ``efsdp``.
 - ``ep2_shard0_bf16``: ``ep2_shard0`` with ``MixedPrecisionPolicy(bf16, fp32)``.
+- ``ep2_shard0_experts_own_call``: ``ep2_shard0`` with the experts sharded by a
+  ``fully_shard(experts, mesh=efsdp)`` of their own first (the change to torchtitan's
+  code that a library without several meshes per call needs); torchtitan's calls then
+  find no expert parameter in the block.
 
 Each case trains ``STEPS`` AdamW steps with torch's ``fully_shard``, ours, and (fp32
 cases) a single process on the global batch, from the same initial values and batches.
@@ -31,6 +35,7 @@ groups each block gets; and every collective of a step at the c10d level, in ord
 scenario, so that a failure of one does not hide the other's results).
 """
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -73,15 +78,27 @@ IMPLS = {
         "ours", dtensor_fsdp.fully_shard, dtensor_fsdp.FSDPModule, dtensor_fsdp.MixedPrecisionPolicy
     ),
 }
-# case: (EP degree, experts, param dtype)
+
+
+@dataclass(frozen=True)
+class Case:
+    ep: int  # expert-parallel degree
+    experts: int
+    param_dtype: torch.dtype = torch.float32
+    # The experts get a fully_shard call of their own on the efsdp mesh before
+    # torchtitan's calls (which then see no expert parameter in the block).
+    experts_own_call: bool = False
+
+
 CASES = {
-    "ep1_shard0": (1, 4, torch.float32),
-    "ep1_shard1": (1, 2, torch.float32),
-    "ep2_shard0": (2, 4, torch.float32),
-    "ep2_shard1": (2, 2, torch.float32),
-    "ep2_shard0_bf16": (2, 4, torch.bfloat16),
+    "ep1_shard0": Case(ep=1, experts=4),
+    "ep1_shard1": Case(ep=1, experts=2),
+    "ep2_shard0": Case(ep=2, experts=4),
+    "ep2_shard1": Case(ep=2, experts=2),
+    "ep2_shard0_bf16": Case(ep=2, experts=4, param_dtype=torch.bfloat16),
+    "ep2_shard0_experts_own_call": Case(ep=2, experts=4, experts_own_call=True),
 }
-FP32_CASES = [c for c, (_, _, dtype) in CASES.items() if dtype == torch.float32]
+FP32_CASES = [name for name, c in CASES.items() if c.param_dtype == torch.float32]
 # Ours raises for these until one fully_shard call can place parameters on several
 # meshes (issue 21, part 1): NotImplementedError "shard_placement_fn puts it on
 # DeviceMesh((efsdp=2)) ... not on the mesh passed to fully_shard".
@@ -97,7 +114,7 @@ def _ours(cases: list[str]) -> list:
 
 
 def _config(case: str) -> MoEConfig:
-    return MoEConfig(num_experts=CASES[case][1])
+    return MoEConfig(num_experts=CASES[case].experts)
 
 
 def _batch() -> torch.Tensor:
@@ -118,16 +135,22 @@ GLOBAL_TOKENS = WORLD_SIZE * BATCH * SEQ
 def _shard(case: str, impl: Impl) -> tuple[Decoder, dict[str, str]]:
     """The case's model under torchtitan's EP and FSDP calls; and the role of each
     process group name ("fsdp", "efsdp", "ep")."""
-    ep, _, dtype = CASES[case]
-    meshes = titan_meshes(WORLD_SIZE, ep)
+    c = CASES[case]
+    meshes = titan_meshes(WORLD_SIZE, c.ep)
     model = build(_config(case), SEED)
     roles = {meshes.dp.get_group().group_name: "fsdp"}
-    if ep > 1:
+    if c.ep > 1:
         apply_expert_parallel(model, meshes.ep)
         roles[meshes.efsdp.get_group().group_name] = "efsdp"
         roles[meshes.ep.get_group().group_name] = "ep"
+    if c.experts_own_call:
+        mp_policy = impl.mp_policy(param_dtype=c.param_dtype, reduce_dtype=torch.float32)
+        for block in model.layers.values():
+            if block.moe_enabled:
+                experts = block.moe.routed_experts.inner_experts
+                impl.fully_shard(experts, mesh=meshes.efsdp, mp_policy=mp_policy)
     apply_fsdp_to_decoder(
-        model, meshes.dp, impl, dtype, torch.float32, ep_degree=ep, edp_mesh=meshes.efsdp
+        model, meshes.dp, impl, c.param_dtype, torch.float32, ep_degree=c.ep, edp_mesh=meshes.efsdp
     )
     return model, roles
 
