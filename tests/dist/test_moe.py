@@ -99,18 +99,6 @@ CASES = {
     "ep2_shard0_experts_own_call": Case(ep=2, experts=4, experts_own_call=True),
 }
 FP32_CASES = [name for name, c in CASES.items() if c.param_dtype == torch.float32]
-# Ours raises for these until one fully_shard call can place parameters on several
-# meshes (issue 21, part 1): NotImplementedError "shard_placement_fn puts it on
-# DeviceMesh((efsdp=2)) ... not on the mesh passed to fully_shard".
-OURS_PENDING = {"ep2_shard0", "ep2_shard1", "ep2_shard0_bf16"}
-
-
-def _ours(cases: list[str]) -> list:
-    """``cases`` as parameters of a test that reads ours' records."""
-    pending = pytest.mark.xfail(
-        strict=True, reason="issue 21 part 1: one fully_shard call on several meshes"
-    )
-    return [pytest.param(c, marks=pending) if c in OURS_PENDING else c for c in cases]
 
 
 def _config(case: str) -> MoEConfig:
@@ -165,7 +153,7 @@ def _param_groups(model: Decoder, impl: Impl) -> dict[str, list[list[int]]]:
                 dist.get_process_group_ranks(g.mesh_info.shard_process_group) for g in groups
             ]
         else:
-            groups = block._own_groups()
+            groups = block._get_fsdp_state().groups
             out[name] = [dist.get_process_group_ranks(g.mesh_info.shard_group) for g in groups]
     return out
 
@@ -278,14 +266,14 @@ def test_torch_matches_single_process(run, case):
     assert single["losses"][-1] < single["losses"][0], single["losses"]
 
 
-@pytest.mark.parametrize("case", _ours(FP32_CASES))
+@pytest.mark.parametrize("case", FP32_CASES)
 def test_ours_matches_single_process(run, case):
     single = scenario_records(run, f"single/{case}")[0]
     for rank, rec in enumerate(scenario_records(run, f"ours/{case}")):
         _assert_matches_single_process(rec, single, f"ours {case} rank {rank}")
 
 
-@pytest.mark.parametrize("case", _ours(list(CASES)))
+@pytest.mark.parametrize("case", list(CASES))
 def test_layout_and_groups_match_torch(run, case):
     theirs = scenario_records(run, f"torch/{case}")
     for rank, ours in enumerate(scenario_records(run, f"ours/{case}")):
@@ -295,7 +283,7 @@ def test_layout_and_groups_match_torch(run, case):
         assert ours["groups"] == theirs[rank]["groups"], where
 
 
-@pytest.mark.parametrize("case", _ours(list(CASES)))
+@pytest.mark.parametrize("case", list(CASES))
 def test_collectives_match_torch(run, case):
     theirs = scenario_records(run, f"torch/{case}")
     for rank, ours in enumerate(scenario_records(run, f"ours/{case}")):
@@ -308,7 +296,7 @@ def test_collectives_match_torch(run, case):
             assert a == b, f"{case} rank {rank} step {step}:\nours  {a}\ntorch {b}"
 
 
-@pytest.mark.parametrize("case", _ours(list(CASES)))
+@pytest.mark.parametrize("case", list(CASES))
 def test_values_match_torch(run, case):
     theirs = scenario_records(run, f"torch/{case}")
     for rank, ours in enumerate(scenario_records(run, f"ours/{case}")):
