@@ -165,6 +165,18 @@ def _divide_factor(rank: int, mesh: Any, factor: float | None, force_sum: bool) 
     return {"records": records}
 
 
+def _torch_divide_factor_on_gloo(mesh: Any) -> str:
+    """torch's FSDP2 with a divide factor alone: what its first backward raises on
+    gloo (it reduces with PREMUL_SUM, which gloo lacks); ours trains (above)."""
+    model = shard_mlp(mlp(), mesh, shard=torch_fully_shard)
+    model.set_gradient_divide_factor(1.0)
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+    except Exception as error:  # noqa: BLE001 - the type is what is compared
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
 class RecordingAllGather(AllGather):
     """torch 2.13's AllGather interface on the plain c10d all-gather, counting calls."""
 
@@ -746,6 +758,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
         "divide_factor_4": lambda: _divide_factor(rank, mesh, 4.0, force_sum=False),
         "force_sum": lambda: _divide_factor(rank, mesh, None, force_sum=True),
         "force_sum_factor_1": lambda: _divide_factor(rank, mesh, 1.0, force_sum=True),
+        "torch_divide_factor": lambda: _torch_divide_factor_on_gloo(mesh),
         "custom_comms": lambda: _custom_comms(rank, mesh),
         "all_reduce_hook": lambda: _all_reduce_hook(rank, mesh),
         "post_optim_event": lambda: _post_optim_event(rank, mesh),
@@ -801,6 +814,15 @@ def test_cpu_offload_matches_reference_with_shards_on_cpu(run, name):
 def test_divide_factor_and_sum_reduction_keep_the_numbers(run, name):
     for rec in scenario_records(run, name):
         _assert_parity(rec["records"], name)
+
+
+def test_divide_factor_alone_works_on_gloo_where_torchs_raises(run):
+    # README, differences: ours divides after a SUM on any backend; torch's asks gloo
+    # for PREMUL_SUM (torchtitan adds set_force_sum_reduction_for_comms(True) for it).
+    for outcome in scenario_records(run, "torch_divide_factor"):
+        assert outcome.startswith("RuntimeError") and "PREMUL_SUM" in outcome, outcome
+    for rec in scenario_records(run, "divide_factor_1"):
+        _assert_parity(rec["records"], "factor 1 without force_sum")
 
 
 def test_divide_factor_divides_the_sum(run):
