@@ -129,11 +129,16 @@ class FSDPModule:
             group.reduction.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Whether to free the unsharded parameters after forward."""
+        """Whether to free the unsharded parameters after forward (to the full mesh:
+        it replaces an int ``reshard_after_forward``, as torch's). Set before the first
+        forward, it holds for the root too, which otherwise keeps its parameters."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-        for group in self._groups(recurse):
-            group.reshard_after_forward = reshard_after_forward
+        for state in self._fsdp_states(recurse):
+            state.auto_reshard_after_forward = False
+            for group in state.groups:
+                group.reshard_after_forward = reshard_after_forward
+                group.post_forward_mesh_info = None
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -149,8 +154,10 @@ class FSDPModule:
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """All-gather these modules' parameters right after this module's, in backward,
-        instead of the default (the module that ran before this one in forward)."""
-        self._get_fsdp_state().backward_prefetch = [_state_for_prefetch(m) for m in modules]
+        instead of the default (the module that ran before this one in forward). An
+        empty list restores the default, as in torch."""
+        states = [_state_for_prefetch(m) for m in modules]
+        self._get_fsdp_state().backward_prefetch = states or None
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -277,15 +284,23 @@ class FSDPModule:
     def set_custom_all_gather(self, comm: AllGather) -> None:
         """Run this group's all-gathers with ``comm``, which also allocates their output.
         Not recursive. ``comm`` receives 1-D uint8 tensors (the group's shards as bytes)
-        and is called with ``async_op=True``; it must return a ``Work``."""
-        for group in self._own_groups():
+        and is called with ``async_op=True``; it must return a ``Work``.
+
+        Raises:
+            ValueError: the module's call made groups on several meshes, as torch's.
+        """
+        for group in self._single_mesh_groups("set_custom_all_gather"):
             group.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Run this group's reduce-scatters with ``comm``, which also allocates their
         output. Not recursive. ``comm`` gets a 1-D input of W equal chunks and
-        ``ReduceOp.SUM``; FSDP divides afterwards."""
-        for group in self._own_groups():
+        ``ReduceOp.SUM``; FSDP divides afterwards.
+
+        Raises:
+            ValueError: the module's call made groups on several meshes, as torch's.
+        """
+        for group in self._single_mesh_groups("set_custom_reduce_scatter"):
             group.reduction.custom_reduce_scatter = comm
 
     def set_all_reduce_hook(
@@ -306,9 +321,10 @@ class FSDPModule:
         Raises:
             ValueError: ``stream`` with a 2-D (HSDP) mesh; ``stream`` without a hook
                 (also an ``AssertionError``, torch's type, which torch raises at the
-                first backward).
+                first backward); the module's call made groups on several meshes, as
+                torch's.
         """
-        groups = self._own_groups()
+        groups = self._single_mesh_groups("set_all_reduce_hook")
         if stream is not None and any(g.mesh_info.is_hsdp for g in groups):
             raise ValueError(
                 "stream cannot be set when using native HSDP: the hook runs after the "
@@ -339,16 +355,17 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel world size
-        (e.g. 1.0 when the loss is already a global mean). Recursive."""
+        (e.g. 1.0 when the loss is already a global mean). Not recursive, as torch's:
+        torchtitan calls it on every FSDP module."""
         if factor <= 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
-        for group in self._groups(recurse=True):
+        for group in self._own_groups():
             group.reduction.gradient_divide_factor = factor
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Only ever ask collectives to SUM (no AVG or PREMUL_SUM), dividing separately.
-        Recursive. On gloo this is always the case."""
-        for group in self._groups(recurse=True):
+        Not recursive, as torch's. On gloo this is always the case."""
+        for group in self._own_groups():
             group.reduction.force_sum_reduction = enable
 
     def set_reduce_scatter_unused_params(
@@ -453,6 +470,18 @@ class FSDPModule:
 
     def _own_groups(self) -> list[FSDPParamGroup]:
         return list(self._get_fsdp_state().groups)
+
+    def _single_mesh_groups(self, method: str) -> list[FSDPParamGroup]:
+        """This module's groups, refused when they are on several meshes: a custom
+        collective or hook is written for one process group (torch's check)."""
+        groups = self._own_groups()
+        if len(groups) > 1:
+            raise ValueError(
+                f"{method} is not supported with multiple param groups (from per-param "
+                "mesh via shard_placement_fn): the custom comm would be ambiguous across "
+                f"groups with different meshes (axes {[g.mesh_info.label for g in groups]})"
+            )
+        return groups
 
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
         return [g for s in self._fsdp_states(recurse) for g in s.groups]

@@ -154,6 +154,8 @@ def fully_shard(
         mp_policy=mp_policy,
         device=plan.mesh_info.device,
     )
+    for group in groups[:-1]:  # backward reduces the last group first; it waits
+        group.waits_for_reduce_scatters = False
     for group, group_plan in zip(groups, plan.groups, strict=True):
         group.to_sharded_modules()
         for source in group_plan.params:

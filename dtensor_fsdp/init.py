@@ -33,9 +33,8 @@ from torch import nn
 
 from ._lazy_init import InitCache, LazyEntry, LazyFullTensor
 from .param import FSDPParam
-from .param_group import FSDPParamGroup
 from .param_init import register_for_init, register_full_for_init, write_back_from_init
-from .state import states_under
+from .state import FSDPState, states_under
 
 
 @contextmanager
@@ -67,8 +66,8 @@ def init_unsharded(
         module: a module whose subtree contains ``fully_shard`` modules, all resharded
             (as after ``fully_shard`` or ``to_empty``).
         max_unsharded_bytes: the most full bytes materialized at once (the same on every
-            rank); None: the largest group's full bytes. One op on several parameters
-            may exceed it while it runs.
+            rank); None: the largest ``fully_shard`` call's full bytes (all its groups).
+            One op on several parameters may exceed it while it runs.
 
     Yields:
         The ``InitCache``: ``peak_bytes``, ``all_gathers`` and the other counters.
@@ -82,7 +81,8 @@ def init_unsharded(
         raise ValueError(
             f"init_unsharded: max_unsharded_bytes must be >= 0, got {max_unsharded_bytes}"
         )
-    groups = [g for s in states_under((module,)) for g in s.groups]
+    states = states_under((module,))
+    groups = [g for s in states for g in s.groups]
     for group in groups:
         if group.sharded_buffer.device.type == "meta":
             raise RuntimeError(
@@ -93,7 +93,7 @@ def init_unsharded(
     lazy = [p for group in groups for p in group.fsdp_params if _is_lazy(p)]
     eager = [p for group in groups for p in group.fsdp_params if not _is_lazy(p)]
     cache = InitCache(
-        max_unsharded_bytes if max_unsharded_bytes is not None else _largest_group_bytes(groups),
+        max_unsharded_bytes if max_unsharded_bytes is not None else _largest_call_bytes(states),
         eager_bytes=sum(_full_nbytes(p) for p in eager),
     )
     # Messages name parameters by their path from `module` (FSDPParam.fqn is set at the
@@ -126,7 +126,9 @@ def _full_nbytes(fsdp_param: FSDPParam) -> int:
     return fsdp_param.shape.numel() * fsdp_param.dtype.itemsize
 
 
-def _largest_group_bytes(groups: list[FSDPParamGroup]) -> int:
+def _largest_call_bytes(states: list[FSDPState]) -> int:
+    """The full bytes of the largest ``fully_shard`` call (all its groups: a MoE
+    block's init touches its dense and expert parameters together)."""
     return max(
-        (sum(_full_nbytes(p) for p in g.fsdp_params if _is_lazy(p)) for g in groups), default=0
+        (sum(_full_nbytes(p) for p in s.fsdp_params() if _is_lazy(p)) for s in states), default=0
     )

@@ -59,9 +59,15 @@ class MeshInfo:
 
     @property
     def label(self) -> str:
-        """The shard axis's name (``pg=<size>`` if unnamed), for messages and traces."""
+        """The data-parallel axes' names (``pg=<size>`` if unnamed), replicate axis
+        first, for messages and traces."""
         names = self.mesh.mesh_dim_names
-        return names[self.shard_axis] if names is not None else f"pg={self.shard_size}"
+        axes = (self.replicate_axis, self.shard_axis) if self.is_hsdp else (self.shard_axis,)
+        return ",".join(
+            names[axis] if names is not None else f"pg={self.mesh.size(axis)}"
+            for axis in axes
+            if axis is not None
+        )
 
     @property
     def is_hsdp(self) -> bool:
@@ -170,9 +176,12 @@ def spmd_mesh_info(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims) -> Mesh
     """MeshInfo for ``fully_shard(mesh=full_mesh, dp_mesh_dims=...)``: shard (and for
     HSDP replicate) over the named axes of the full SPMD mesh."""
     if not isinstance(dp_mesh_dims, DataParallelMeshDims):
-        raise TypeError(
-            f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dp_mesh_dims).__name__}"
-        )
+        if not (hasattr(dp_mesh_dims, "shard") and hasattr(dp_mesh_dims, "replicate")):
+            raise TypeError(
+                f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dp_mesh_dims).__name__}"
+            )
+        # torch's own DataParallelMeshDims (a user switching one import line keeps it).
+        dp_mesh_dims = DataParallelMeshDims(dp_mesh_dims.shard, dp_mesh_dims.replicate)
     names = mesh.mesh_dim_names
     shard, replicate = (
         _one_name(dp_mesh_dims.shard, "shard"),
@@ -343,7 +352,9 @@ def validate_post_forward_size(mesh_info: MeshInfo, size: int) -> None:
     if size < 1 or world_size % size != 0:
         raise ValueError(
             f"reshard_after_forward={size} must be a divisor of the shard world size "
-            f"{world_size} (e.g. the number of ranks per node), or a bool"
+            f"{world_size} (e.g. the number of ranks per node), or a bool: if passing "
+            f"reshard_after_forward as an int, it should be a factor of {world_size}, "
+            f"not {size}"
         )
 
 

@@ -128,6 +128,10 @@ class FSDPParamGroup:
         # FSDPModule.set_* knobs (torch's names); the reduction has its own.
         self.custom_all_gather: AllGather | None = None
         self.unshard_in_backward = True
+        # Whether this group's reduce-scatter waits for room in flight: only the
+        # first of a call's groups to reduce (the last one) does, as in torch; set by
+        # fully_shard. See [Note: reduce-scatters in flight].
+        self.waits_for_reduce_scatters = True
         self.reduction = GradientReduction(
             self.fsdp_params,
             mesh_info,
@@ -591,7 +595,9 @@ class FSDPParamGroup:
         taken = self.reduction.take_grads()
         if self.reshard_after_backward:
             self.reshard()
-        self.reduction.reduce_scatter(self.ctx, self.fqn, taken)
+        self.reduction.reduce_scatter(
+            self.ctx, self.fqn, taken, make_room=self.waits_for_reduce_scatters
+        )
 
     def finalize_backward(self) -> None:
         """End of backward (root callback): post-backward for groups whose inputs had no

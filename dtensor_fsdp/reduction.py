@@ -153,18 +153,25 @@ class GradientReduction:
         return collect_grads(self.fsdp_params, self.reduce_scatter_unused_params)
 
     def reduce_scatter(
-        self, ctx: CommContext, fqn: str, taken: tuple[list[FSDPParam], list[torch.Tensor]]
+        self,
+        ctx: CommContext,
+        fqn: str,
+        taken: tuple[list[FSDPParam], list[torch.Tensor]],
+        make_room: bool = True,
     ) -> None:
         """Issue one reduce-scatter of the grads `take_grads` took from the group
         (``fqn``); the grads are freed once copied into its input. ``ctx`` finishes it
-        (waits, reduces over replicas, lands the sharded grads) when its turn comes."""
+        (waits, reduces over replicas, lands the sharded grads) when its turn comes.
+        ``make_room``: whether to wait for the oldest in flight first (False for the
+        groups of a call on several meshes but the first to reduce)."""
         with_grad, grads = taken
         if not with_grad:
             return
         # Wait for the oldest in flight before this group's buffer exists: at most
         # max_in_flight_reduce_scatters of them at once (see [Note: reduce-scatters in
         # flight]).
-        ctx.make_room_for_reduce_scatter()
+        if make_room:
+            ctx.make_room_for_reduce_scatter()
         reduce_dtype = with_grad[0].reduce_dtype
         plan = ReductionPlan.choose(
             self.reduce_scatter_group,

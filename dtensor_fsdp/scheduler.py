@@ -52,7 +52,10 @@ class Prefetchable(Protocol):
 # reduce-scatter overlaps this group's backward compute and is waited before this
 # group's is issued. A second slot costs one group's buffer and pays off only when one
 # reduce-scatter outlasts the next group's whole backward (benchmarks/bench_inflight.py
-# measured no gain on CPU/gloo; see benchmarks/README.md).
+# measured no gain on CPU/gloo; see benchmarks/README.md). The groups of one
+# fully_shard call on several meshes count as one, as in torch: only the first of them
+# to reduce (the last group) waits, so a MoE block's dense reduce-scatter is issued
+# while its experts' one is in flight, and a call has all of its buffers alive at once.
 
 
 # [Note: forward all-gather overlap]
@@ -189,9 +192,9 @@ class CommContext:
     def enqueue_reduce_scatter(
         self, finish: Callable[[], None], abandon: Callable[[], None]
     ) -> None:
-        """Track a reduce-scatter issued after ``make_room_for_reduce_scatter``."""
+        """Track a reduce-scatter issued after ``make_room_for_reduce_scatter`` (by
+        its call's first group to reduce, for a call on several meshes)."""
         self._pending_reduce_scatters.append((finish, abandon))
-        assert len(self._pending_reduce_scatters) <= self.max_in_flight_reduce_scatters
 
     def enqueue_all_reduce(self, finish: Callable[[], None], abandon: Callable[[], None]) -> None:
         """Track an issued HSDP all-reduce; finish the oldest ones beyond the bound."""

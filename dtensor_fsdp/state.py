@@ -376,9 +376,14 @@ def assign_fqns(roots: tuple[nn.Module, ...], states: list[FSDPState]) -> None:
             names.setdefault(id(module), name)
     for state in states:
         name = names.get(id(state.modules[0]), "")
-        for group in state.groups:
-            # Groups of one call on several meshes are told apart by their shard axis.
-            group.fqn = f"{name} [{group.mesh_info.label}]" if len(state.groups) > 1 else name
+        labels = [g.mesh_info.label for g in state.groups]
+        for index, group in enumerate(state.groups):
+            # Groups of one call on several meshes are told apart by their axes (and
+            # their index, for axes of the same name on different meshes).
+            label = (
+                labels[index] if labels.count(labels[index]) == 1 else f"{labels[index]}#{index}"
+            )
+            group.fqn = f"{name} [{label}]".strip() if len(state.groups) > 1 else name
             for fsdp_param in group.fsdp_params:
                 slot = fsdp_param.slots[0]
                 prefix = names.get(id(slot.module), "")

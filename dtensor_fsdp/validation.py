@@ -68,6 +68,9 @@ def plan_sharding(
     modules = _validate_modules(module)
     _validate_policies(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     mesh_info = _mesh_info(mesh, dp_mesh_dims)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        # Checked against the call's mesh whatever meshes the groups are on, as torch.
+        validate_post_forward_size(mesh_info, reshard_after_forward)
     device = mesh_info.device
     params = _collect_params(modules, set(ignored_params or ()), mesh_info, shard_placement_fn)
     groups = []
@@ -321,9 +324,7 @@ def _collect_params(
                     found[id(param)] = _param_to_shard(
                         root_name, f"{prefix}{name}", param, mesh_info, shard_placement_fn
                     )
-                found[id(param)][0].slots.append(
-                    ParamSlot(module, name, root, f"{prefix}{name}")
-                )
+                found[id(param)][0].slots.append(ParamSlot(module, name, root, f"{prefix}{name}"))
     return list(found.values())
 
 
@@ -379,9 +380,7 @@ class ShardDimError(ValueError, AssertionError):
     user mistake), and an AssertionError because torch's fully_shard raises that."""
 
 
-def _shard_dim(
-    where: str, data: torch.Tensor, mesh_info: MeshInfo, placement: Shard | None
-) -> int:
+def _shard_dim(where: str, data: torch.Tensor, mesh_info: MeshInfo, placement: Shard | None) -> int:
     """The dim of ``placement`` (0 for None) on ``data``, validated."""
     if placement is None:
         return 0

@@ -45,7 +45,7 @@ from dtensor_fsdp import (
 )
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests.dist._mlp import mlp, shard_mlp
-from tests.dist._parity import assert_pairs_close, full, full_pairs, mean_over_world
+from tests.dist._parity import assert_pairs_close, full, full_pairs, local_pairs, mean_over_world
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); 2.11 has only
 # the old ones.
@@ -149,10 +149,11 @@ def _divide_factor(rank: int, mesh: Any, factor: float | None, force_sum: bool) 
     base = mlp()
     ref = copy.deepcopy(base)
     model = shard_mlp(base, mesh)
-    if factor is not None:
-        model.set_gradient_divide_factor(factor)
-    if force_sum:
-        model.set_force_sum_reduction_for_comms(True)
+    for module in model.modules():  # not recursive, as torch's: every FSDP module
+        if isinstance(module, FSDPModule) and factor is not None:
+            module.set_gradient_divide_factor(factor)
+        if isinstance(module, FSDPModule) and force_sum:
+            module.set_force_sum_reduction_for_comms(True)
 
     def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if factor == 1.0:
@@ -163,6 +164,20 @@ def _divide_factor(rank: int, mesh: Any, factor: float | None, force_sum: bool) 
     if factor == 1.0:  # each rank's loss is 1/W of its mean: the global mean is their sum
         records[0]["loss"] = (records[0]["loss"][0] * WORLD_SIZE, records[0]["loss"][1])
     return {"records": records}
+
+
+def _divide_factor_on_the_root_only(mesh: Any) -> dict[str, Any]:
+    """``set_gradient_divide_factor`` (and force-sum, which torch needs on gloo) on the
+    root only: the blocks keep dividing by the world size, in both libraries."""
+    base = mlp()
+    models = {}
+    for name, shard in (("ours", fully_shard), ("torch", torch_fully_shard)):
+        model = shard_mlp(copy.deepcopy(base), mesh, shard=shard)
+        model.set_gradient_divide_factor(1.0)
+        model.set_force_sum_reduction_for_comms(True)
+        model(torch.randn(2, 8, generator=torch.Generator().manual_seed(dist.get_rank()))).sum().backward()
+        models[name] = model
+    return {"grads": local_pairs(models["ours"], models["torch"], grads=True)}
 
 
 def _torch_divide_factor_on_gloo(mesh: Any) -> str:
@@ -759,6 +774,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
         "force_sum": lambda: _divide_factor(rank, mesh, None, force_sum=True),
         "force_sum_factor_1": lambda: _divide_factor(rank, mesh, 1.0, force_sum=True),
         "torch_divide_factor": lambda: _torch_divide_factor_on_gloo(mesh),
+        "divide_factor_root_only": lambda: _divide_factor_on_the_root_only(mesh),
         "custom_comms": lambda: _custom_comms(rank, mesh),
         "all_reduce_hook": lambda: _all_reduce_hook(rank, mesh),
         "post_optim_event": lambda: _post_optim_event(rank, mesh),
@@ -823,6 +839,13 @@ def test_divide_factor_alone_works_on_gloo_where_torchs_raises(run):
         assert outcome.startswith("RuntimeError") and "PREMUL_SUM" in outcome, outcome
     for rec in scenario_records(run, "divide_factor_1"):
         _assert_parity(rec["records"], "factor 1 without force_sum")
+
+
+def test_divide_factor_applies_to_the_module_it_is_set_on(run):
+    # The blocks' grads are means over the 2 ranks, the root's sums: as torch's. A
+    # recursive setter would double the blocks' grads.
+    for rec in scenario_records(run, "divide_factor_root_only"):
+        assert_pairs_close(rec["grads"], "root-only divide factor")
 
 
 def test_divide_factor_divides_the_sum(run):

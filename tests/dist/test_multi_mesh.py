@@ -18,6 +18,7 @@ compute the same way, so every step of every scenario must agree with torch:
 """
 
 import copy
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +79,8 @@ def _shard(
     reshard_after_forward: bool | int = True,
     explicit_prefetch: bool = False,
     sum_reduction: bool = False,
+    empty_backward_prefetch: bool = False,
+    root_reshards: bool = False,
 ) -> Model:
     """torchtitan's per-parameter mesh: experts on ``efsdp``, the rest on ``dp``, both
     through ``ShardPlacementResult`` with torch's mesh-info objects."""
@@ -99,6 +102,11 @@ def _shard(
             block.set_modules_to_forward_prefetch([after])
         for block, before in zip(blocks[1:], blocks):
             block.set_modules_to_backward_prefetch([before])
+    if empty_backward_prefetch:  # an empty list: the implicit prefetch, as torch's
+        for block in model.blocks:
+            block.set_modules_to_backward_prefetch([])
+    if root_reshards:  # before the first forward: the root does not keep its params
+        model.set_reshard_after_forward(True, recurse=False)
     if sum_reduction:  # torchtitan's disable_fsdp_gradient_division
         for module in model.modules():
             if hasattr(module, "set_gradient_divide_factor"):
@@ -164,6 +172,47 @@ def _layouts(models: dict[str, Model]) -> dict[str, Any]:
     return out
 
 
+class _Counting(list):
+    """A queue of in-flight reduce-scatters that records its length after each issue."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        super().__init__()
+        self.lengths = lengths
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        self.lengths.append(len(self))
+
+
+class _CountingDeque(deque):
+    def __init__(self, lengths: list[int]) -> None:
+        super().__init__()
+        self.lengths = lengths
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        self.lengths.append(len(self))
+
+
+def _reduce_scatters_in_flight(dp: DeviceMesh, efsdp: DeviceMesh) -> dict[str, list[int]]:
+    """How many reduce-scatters are in flight right after each is issued in one
+    backward (each library's own queue, default bound 1): a block's two groups are
+    bounded together, so its dense reduce-scatter overlaps its experts' one."""
+    torch.manual_seed(0)
+    base = Model()
+    out: dict[str, list[int]] = {}
+    for name, shard in (("ours", fully_shard_ours), ("torch", torch_fully_shard)):
+        model = _shard(shard, copy.deepcopy(base), dp, efsdp)
+        loss = model(torch.randn(BATCH, DIM)).sum()  # lazy init has run
+        out[name] = []
+        if name == "ours":
+            model._get_fsdp_state().ctx._pending_reduce_scatters = _CountingDeque(out[name])
+        else:
+            torch_fully_shard.state(model)._comm_ctx.reduce_scatter_states = _Counting(out[name])
+        loss.backward()
+    return out
+
+
 def _unshard_and_state_dict(dp: DeviceMesh, efsdp: DeviceMesh) -> dict[str, Any]:
     """``unshard(async_op=True)`` of a two-group block registers every parameter of
     both groups unsharded; ``state_dict`` then reshards, and loads back."""
@@ -205,6 +254,9 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
         "keep_after_forward": lambda: _train(rank, dp, efsdp, reshard_after_forward=False),
         "hpz": lambda: _train(rank, dp, efsdp, reshard_after_forward=2),
         "sum_reduction": lambda: _train(rank, dp, efsdp, sum_reduction=True),
+        "empty_backward_prefetch": lambda: _train(rank, dp, efsdp, empty_backward_prefetch=True),
+        "root_reshards": lambda: _train(rank, dp, efsdp, root_reshards=True),
+        "in_flight": lambda: _reduce_scatters_in_flight(dp, efsdp),
         "unshard_state_dict": lambda: _unshard_and_state_dict(dp, efsdp),
     })
 
@@ -216,7 +268,7 @@ def run() -> list[dict[str, Any]]:
 
 TRAINING = [
     "implicit", "shard1_experts", "explicit_prefetch", "keep_after_forward", "hpz",
-    "sum_reduction",
+    "sum_reduction", "empty_backward_prefetch", "root_reshards",
 ]
 
 
@@ -256,6 +308,13 @@ def test_layout_matches_torch(run, scenario):
     assert layout["ours"]["params"]["blocks.0.experts"] == (
         ("efsdp",), (Shard(dim),), (EXPERTS // 2, DIM, DIM) if dim == 0 else (EXPERTS, DIM // 2, DIM)
     )
+
+
+def test_reduce_scatters_in_flight_as_torchs(run):
+    for records in scenario_records(run, "in_flight"):
+        assert records["ours"] == records["torch"]
+        # Per block: experts (1 in flight), then dense beside it (2); then the root.
+        assert records["ours"] == [1, 2, 1, 2, 1, 2, 1]
 
 
 def test_unshard_and_state_dict_cover_both_groups(run):

@@ -701,3 +701,107 @@ def test_all_reduce_hook_stream_without_a_hook() -> None:
         with pytest.raises(AssertionError, match=phrase):
             ours.set_all_reduce_hook(None, stream=torch.cpu.Stream())
         ours(torch.randn(2, 4)).sum().backward()  # nothing was set
+
+
+# One call on several meshes: what torch refuses or checks there #
+
+
+class _Experts(nn.Module):
+    """Experts registered before the dense child: torch orders the groups by the
+    post-order of modules, so the dense group comes first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(4, 8, 8))
+        self.dense = nn.Linear(8, 8)
+
+
+def _two_meshes() -> tuple[DeviceMesh, DeviceMesh, Callable[[nn.Module], Callable[..., Any]]]:
+    dp = DeviceMesh("cpu", torch.arange(4), mesh_dim_names=("dp",))
+    efsdp = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("ep", "efsdp"))["efsdp"]
+    dp_info, efsdp_info = FSDPMeshInfo(dp, shard_mesh_dim=0), FSDPMeshInfo(efsdp, shard_mesh_dim=0)
+
+    def placement(block: nn.Module) -> Callable[..., Any]:
+        return lambda p: ShardPlacementResult(
+            Shard(0), efsdp_info if p is block.experts else dp_info
+        )
+
+    return dp, efsdp, placement
+
+
+@pytest.mark.parametrize(
+    "setter",
+    [
+        lambda m: m.set_custom_all_gather(object()),
+        lambda m: m.set_custom_reduce_scatter(object()),
+        lambda m: m.set_all_reduce_hook(lambda t: None),
+    ],
+    ids=["set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook"],
+)
+def test_custom_comms_are_refused_on_a_call_on_several_meshes(setter: Callable[..., Any]) -> None:
+    # A custom collective or hook is written for one process group: torch refuses it on
+    # a module whose call made groups on several meshes, with this phrase.
+    with fake_mesh(4):
+        dp, _, placement = _two_meshes()
+        for shard in (torch_fully_shard, fully_shard):
+            block = _Experts()
+            shard(block, mesh=dp, shard_placement_fn=placement(block))
+            with pytest.raises(ValueError, match="not supported with multiple param groups"):
+                setter(block)
+
+
+def test_int_reshard_after_forward_is_checked_against_the_call_mesh() -> None:
+    # torch checks the post-forward size against the mesh passed to fully_shard, even
+    # when no parameter ends up on it; then against each group's mesh.
+    with fake_mesh(4):
+        dp, efsdp, placement = _two_meshes()
+        dp_info = FSDPMeshInfo(dp, shard_mesh_dim=0)
+        calls = {
+            "no parameters": lambda shard: shard(nn.ReLU(), mesh=dp, reshard_after_forward=3),
+            "all on another mesh": lambda shard: shard(
+                _Experts(), mesh=efsdp, reshard_after_forward=4,
+                shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), dp_info),
+            ),
+            "fits one mesh only": lambda shard: shard(
+                (b := _Experts()), mesh=dp, reshard_after_forward=4, shard_placement_fn=placement(b)
+            ),
+        }
+        for name, call in calls.items():
+            for shard in (torch_fully_shard, fully_shard):
+                with pytest.raises(ValueError, match="factor of"):
+                    call(shard)
+                    pytest.fail(f"{name}: {shard.__module__} accepted it")
+
+
+def test_group_names_tell_a_calls_groups_apart() -> None:
+    # The comm trace and the divergence check name groups: a call's groups on two
+    # meshes whose shard axes share a name get distinct names, the root's no blank.
+    with fake_mesh(4):
+        dp = DeviceMesh("cpu", torch.arange(4), mesh_dim_names=("x",))
+        other = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("r", "x"))["x"]
+        info = FSDPMeshInfo(other, shard_mesh_dim=0)
+        block = _Experts()
+        fully_shard(block, mesh=dp, shard_placement_fn=lambda p: (
+            ShardPlacementResult(Shard(0), info) if p is block.experts else None
+        ))
+        block.set_comm_trace(None)  # names the groups from this root
+        assert [g.fqn for g in block._get_fsdp_state().groups] == ["[x#0]", "[x#1]"]
+
+
+def test_torchs_data_parallel_mesh_dims_is_accepted() -> None:
+    # A user switching the import line keeps torch's DataParallelMeshDims objects.
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+
+    with fake_mesh(4):
+        mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+        layouts = []
+        for shard in (torch_fully_shard, fully_shard):
+            model = _mlp()
+            for name, param in list(model.named_parameters()):
+                module_name, attr = name.rsplit(".", 1)
+                model.get_submodule(module_name).register_parameter(
+                    attr, nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()] * 2))
+                )
+            shard(model, mesh=mesh, dp_mesh_dims=TorchDims(shard="dp"))
+            layouts.append({n: (p.placements, p.to_local().shape) for n, p in model.named_parameters()})
+        assert layouts[0] == layouts[1]
