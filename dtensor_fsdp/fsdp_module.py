@@ -54,8 +54,7 @@ class FSDPModule:
         re-deriving the sharded state] in param_group.py)."""
         self.reshard()
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._own_groups():
             group.reset_sharded_params()
         return result
 
@@ -82,8 +81,7 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones. Not recursive."""
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._own_groups():
             group.reshard()
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
@@ -95,10 +93,10 @@ class FSDPModule:
         Returns:
             An ``UnshardHandle`` if ``async_op``, else ``None``.
         """
-        group = self._get_fsdp_state().group
-        if group is not None:
+        groups = self._own_groups()
+        for group in groups:
             group.unshard(async_op=async_op)
-        return UnshardHandle(group) if async_op else None
+        return UnshardHandle(groups) if async_op else None
 
     def reset_iter_state(self) -> None:
         """After an exception in forward or backward, reshard and reset per-iteration
@@ -145,35 +143,31 @@ class FSDPModule:
     ) -> None:
         """Whether backward reduce-scatters gradients. ``False`` accumulates unsharded
         gradients locally (gradient accumulation without communication)."""
-        for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.requires_gradient_sync = requires_gradient_sync
+        for group in self._groups(recurse):
+            group.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: whether backward all-reduces gradients over the replicate axis. ``False``
         still reduce-scatters within the shard axis and keeps the partial result, which
         the next backward with all-reduce adds in (gradient accumulation across nodes
         at intra-node cost). No effect on a 1-D mesh."""
-        for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.reduction.requires_all_reduce = requires_all_reduce
+        for group in self._groups(recurse):
+            group.reduction.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free the unsharded parameters after forward."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-        for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.reshard_after_forward = reshard_after_forward
+        for group in self._groups(recurse):
+            group.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
         """Whether to free the unsharded parameters after backward. ``False`` keeps them
         for the next forward (gradient accumulation without re-all-gathering)."""
-        for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.reshard_after_backward = reshard_after_backward
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """All-gather these modules' parameters right after this module's, in forward."""
@@ -235,9 +229,8 @@ class FSDPModule:
         dtensor_fsdp only: not in torch."""
         states = self._fsdp_states(recurse=True)
         assign_fqns((self,), states)  # type: ignore[arg-type]
-        for state in states:
-            if state.group is not None:
-                state.group.trace = trace
+        for group in self._groups(recurse=True):
+            group.trace = trace
 
     def set_divergence_check(
         self, enabled: bool = True, *, timeout: timedelta | float | None = None
@@ -304,9 +297,8 @@ class FSDPModule:
             raise TypeError(
                 f"set_comm_precision expects a CommPrecisionPolicy or None, got {policy!r}"
             )
-        for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.set_comm_precision(policy)
+        for group in self._groups(recurse):
+            group.set_comm_precision(policy)
 
     def set_custom_all_gather(self, comm: AllGather) -> None:
         """Run this group's all-gathers with ``comm``, which also allocates their output.
@@ -376,16 +368,14 @@ class FSDPModule:
         (e.g. 1.0 when the loss is already a global mean). Recursive."""
         if factor <= 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
-        for state in self._fsdp_states(recurse=True):
-            if state.group is not None:
-                state.group.reduction.gradient_divide_factor = factor
+        for group in self._groups(recurse=True):
+            group.reduction.gradient_divide_factor = factor
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Only ever ask collectives to SUM (no AVG or PREMUL_SUM), dividing separately.
         Recursive. On gloo this is always the case."""
-        for state in self._fsdp_states(recurse=True):
-            if state.group is not None:
-                state.group.reduction.force_sum_reduction = enable
+        for group in self._groups(recurse=True):
+            group.reduction.force_sum_reduction = enable
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -393,9 +383,8 @@ class FSDPModule:
         """Reduce-scatter zeros for trainable parameters that got no gradient, so ranks
         that used different parameters (conditional compute, MoE) still issue the same
         collective. Like DDP's ``find_unused_parameters``."""
-        for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.reduction.reduce_scatter_unused_params = reduce_scatter_unused_params
+        for group in self._groups(recurse):
+            group.reduction.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
@@ -489,11 +478,10 @@ class FSDPModule:
             group.unshard_in_backward = unshard_in_backward
 
     def _own_groups(self) -> list[FSDPParamGroup]:
-        group = self._get_fsdp_state().group
-        return [group] if group is not None else []
+        return list(self._get_fsdp_state().groups)
 
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
-        return [s.group for s in self._fsdp_states(recurse) if s.group is not None]
+        return [g for s in self._fsdp_states(recurse) for g in s.groups]
 
 
 # torch 2.13's symmetric memory allocation backends (torch.distributed._symmetric_memory).
@@ -522,11 +510,11 @@ def _state_for_prefetch(module: Any) -> FSDPState:
 class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard."""
 
-    def __init__(self, group: FSDPParamGroup | None) -> None:
-        self._group = group
+    def __init__(self, groups: list[FSDPParamGroup]) -> None:
+        self._groups = groups
 
     def wait(self) -> None:
-        """Wait for the all-gather and register the unsharded parameters."""
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+        """Wait for the all-gathers and register the unsharded parameters."""
+        for group in self._groups:
+            group.wait_for_unshard()
+        self._groups = []

@@ -87,8 +87,9 @@ def fully_shard(
             backward; ``None`` means ``True``, except for the root, which keeps them.
         shard_placement_fn: maps a parameter to the ``Shard(dim)`` to shard it with, or
             ``None`` for ``Shard(0)``; a dim other than 0 must divide evenly. torch's
-            ``ShardPlacementResult`` (placement and mesh info) is accepted too, on the
-            mesh passed here.
+            ``ShardPlacementResult`` (placement and torch's ``FSDPMeshInfo``) is
+            accepted too, on any data-parallel mesh of the same device type: the call
+            then makes one group per mesh (MoE experts on the expert mesh), as torch's.
         mp_policy: mixed precision: all-gather and compute in ``param_dtype`` (the cast
             happens on the shard, before the all-gather), reduce in ``reduce_dtype``;
             the sharded params and grads the optimizer sees keep the original dtype.
@@ -113,8 +114,7 @@ def fully_shard(
             torch); a tensor-parallel mesh cannot be concatenated with ``mesh`` (also a
             ``RuntimeError``, as in torch).
         NotImplementedError: a non-contiguous parameter, an uneven ``Shard(dim != 0)``,
-            a ``ShardPlacementResult`` on another mesh, or another capability not built
-            yet.
+            or another capability not built yet.
     """
     plan = plan_sharding(
         module,
@@ -126,38 +126,37 @@ def fully_shard(
         ignored_params=ignored_params,
         dp_mesh_dims=dp_mesh_dims,
     )
-    modules, params, mesh_info = plan.modules, plan.params, plan.mesh_info
+    modules = plan.modules
 
     # Everything below mutates: nothing in it may raise on user input.
-    group = (
+    groups = [
         FSDPParamGroup(
-            params,
+            group.params,
             modules,
-            mesh_info,
+            group.mesh_info,
             plan.param_device,
             reshard_after_forward=plan.reshard_after_forward,
             fqn="",
             mp_policy=mp_policy,
             offload_policy=offload_policy,
             post_forward_mesh_info=(
-                post_forward_mesh_info(mesh_info, plan.post_forward_size)
-                if plan.post_forward_size is not None
+                post_forward_mesh_info(group.mesh_info, group.post_forward_size)
+                if group.post_forward_size is not None
                 else None
             ),
         )
-        if params
-        else None
-    )
+        for group in plan.groups
+    ]
     state = FSDPState(
         modules,
-        group,
+        groups,
         auto_reshard_after_forward=reshard_after_forward is None,
         mp_policy=mp_policy,
-        device=mesh_info.device,
+        device=plan.mesh_info.device,
     )
-    if group is not None:
+    for group, group_plan in zip(groups, plan.groups, strict=True):
         group.to_sharded_modules()
-        for source in params:
+        for source in group_plan.params:
             mark_replaced(source, type(modules[0]).__name__)
     for owner, name, tensor in plan.moved_buffers:
         owner._buffers[name] = tensor

@@ -82,7 +82,7 @@ def init_unsharded(
         raise ValueError(
             f"init_unsharded: max_unsharded_bytes must be >= 0, got {max_unsharded_bytes}"
         )
-    groups = [s.group for s in states_under((module,)) if s.group is not None]
+    groups = [g for s in states_under((module,)) for g in s.groups]
     for group in groups:
         if group.sharded_buffer.device.type == "meta":
             raise RuntimeError(

@@ -58,6 +58,12 @@ class MeshInfo:
         return DeviceMesh.from_group(self.shard_group, self.mesh.device_type)
 
     @property
+    def label(self) -> str:
+        """The shard axis's name (``pg=<size>`` if unnamed), for messages and traces."""
+        names = self.mesh.mesh_dim_names
+        return names[self.shard_axis] if names is not None else f"pg={self.shard_size}"
+
+    @property
     def is_hsdp(self) -> bool:
         return self.replicate_axis is not None
 

@@ -32,9 +32,11 @@ from .streams import CommStreams, StreamRole
 
 
 class Prefetchable(Protocol):
-    """What the scheduler needs of a group: its name and an async unshard."""
+    """What the scheduler needs of a group: its name, the modules of its
+    ``fully_shard`` call (shared by the call's groups) and an async unshard."""
 
     fqn: str
+    modules: tuple[object, ...]
 
     def unshard(self, async_op: bool = False) -> None: ...
 
@@ -128,9 +130,12 @@ class CommContext:
             self.streams.wait_for_event(StreamRole.ALL_GATHER, self._kept_all_gather[1])
             self._kept_all_gather = None
 
-    def record_post_forward(self, group: Prefetchable) -> None:
-        if not self.post_forward_order or self.post_forward_order[-1] is not group:
-            self.post_forward_order.append(group)
+    def record_post_forward(self, groups: list[Prefetchable]) -> None:
+        """A module's forward ended: its call's groups join the forward order, once
+        for the modules of a list call run one after the other."""
+        tail = self.post_forward_order[-len(groups) :]
+        if len(tail) != len(groups) or any(a is not b for a, b in zip(tail, groups)):
+            self.post_forward_order.extend(groups)
 
     def prefetch_forward(self, targets: list[Prefetchable]) -> None:
         """Explicit forward prefetch: issue the targets' all-gathers without waiting."""
@@ -139,22 +144,40 @@ class CommContext:
 
     # Backward #
 
-    def prefetch_backward(self, group: Prefetchable, explicit: list[Prefetchable] | None) -> None:
-        """Issue the all-gathers of the groups whose backward comes next.
+    def prefetch_backward(
+        self, groups: list[Prefetchable], explicit: list[Prefetchable] | None
+    ) -> None:
+        """Issue the all-gathers of the groups whose backward comes next, once the
+        backward of ``groups`` (one ``fully_shard`` call's) started.
 
         With ``explicit`` (``set_modules_to_backward_prefetch``) those groups; otherwise
-        the group that ran just before ``group`` in this iteration's forward.
+        the call that ran just before in this iteration's forward (see
+        `_implicit_backward_targets`).
         """
-        targets = explicit if explicit is not None else self._implicit_backward_target(group)
+        targets = explicit if explicit is not None else self._implicit_backward_targets(groups)
         for target in targets:
             target.unshard(async_op=True)
 
-    def _implicit_backward_target(self, group: Prefetchable) -> list[Prefetchable]:
+    def _implicit_backward_targets(self, groups: list[Prefetchable]) -> list[Prefetchable]:
+        """One group: the group recorded just before its last forward. Several (one
+        call on several meshes), as torch's: from the second group's last forward,
+        back past the call's own groups, every group of the call met first, in
+        reverse forward order (the order their backward runs)."""
         order = self.post_forward_order
-        for index in range(len(order) - 1, 0, -1):
-            if order[index] is group:
-                return [order[index - 1]]
-        return []
+        anchor = groups[0] if len(groups) == 1 else groups[1]
+        last = next((i for i in range(len(order) - 1, -1, -1) if order[i] is anchor), None)
+        if last is None:
+            return []
+        if len(groups) == 1:
+            return [order[last - 1]] if last > 0 else []
+        targets: list[Prefetchable] = []
+        for target in reversed(order[:last]):
+            if target.modules is anchor.modules:
+                continue
+            if targets and target.modules is not targets[0].modules:
+                break
+            targets.append(target)
+        return targets
 
     def make_room_for_reduce_scatter(self) -> None:
         """Before a group allocates its reduce-scatter input: finish the oldest

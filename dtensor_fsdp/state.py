@@ -1,4 +1,4 @@
-"""FSDPState: the hooks that drive one ``fully_shard`` group through an iteration.
+"""FSDPState: the hooks that drive one ``fully_shard`` call's groups through an iteration.
 
 The lifecycle of a parameter, and the method that performs each step:
 
@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .api import MixedPrecisionPolicy
 from .consistency import CollectiveCheck
+from .param import FSDPParam
 from .param_group import FSDPParamGroup, TrainingState
 from .scheduler import CommContext
 from .streams import CommStreams, streams_for
@@ -63,18 +64,22 @@ def state_of(module: nn.Module) -> "FSDPState | None":
 
 
 class FSDPState:
-    """Hooks and root bookkeeping for one ``fully_shard`` call."""
+    """Hooks and root bookkeeping for one ``fully_shard`` call (its groups: one per mesh)."""
 
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
-        group: FSDPParamGroup | None,
+        groups: list[FSDPParamGroup],
         auto_reshard_after_forward: bool,
         mp_policy: MixedPrecisionPolicy,
         device: torch.device,
     ) -> None:
         self.modules = modules
-        self.group = group
+        # One group per data-parallel mesh the call's parameters are on (several when
+        # shard_placement_fn puts some on another mesh, e.g. MoE experts on the expert
+        # mesh), in the order their first parameters come; none when every parameter
+        # already belonged to a subgroup. See [Note: several groups of one call].
+        self.groups = groups
         self.device = device  # the mesh's: where the root moves its forward inputs
         self.mp_policy = mp_policy  # None when every parameter already belonged to a subgroup
         self.auto_reshard_after_forward = auto_reshard_after_forward
@@ -92,6 +97,10 @@ class FSDPState:
         self.post_optim_event: torch.Event | None = None  # root only, used once
         self.shared_streams: CommStreams | None = None  # share_comm_ctx, read at lazy init
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def fsdp_params(self) -> list[FSDPParam]:
+        """Every parameter of this call, group by group."""
+        return [p for g in self.groups for p in g.fsdp_params]
 
     # Initialization #
 
@@ -121,7 +130,7 @@ class FSDPState:
             max_in_flight_reduce_scatters(states), self.shared_streams or streams_for(self.device)
         )
         ctx.check = self.collective_check(states)
-        groups = [s.group for s in states if s.group is not None]
+        groups = [g for s in states for g in s.groups]
         # A parameter replaced since fully_shard by another group's sharded param (a tie
         # made after fully_shard) is refused before any group adopts anything.
         tree_params = [p for g in groups for p in g.fsdp_params]
@@ -129,18 +138,18 @@ class FSDPState:
         for group in groups:
             group.check_replacements(owners)
         # Groups first: one that refuses (params still on meta) leaves no state rooted.
-        for state in states:
-            if state.group is not None:
-                state.group.lazy_init(ctx)
+        for group in groups:
+            group.lazy_init(ctx)
         for state in states:
             state.ctx = ctx
             state.root = self
             state.is_root = state is self
-            if state.group is not None:
-                state.group.tree_params = tree_params
+        for group in groups:
+            group.tree_params = tree_params
         # The root's params are needed as soon as backward starts: keep them unsharded.
-        if self.group is not None and self.auto_reshard_after_forward:
-            self.group.reshard_after_forward = False
+        if self.auto_reshard_after_forward:
+            for group in self.groups:
+                group.reshard_after_forward = False
         self.states_in_tree = states
 
     def collective_check(self, states: "list[FSDPState]") -> CollectiveCheck | None:
@@ -150,7 +159,7 @@ class FSDPState:
         return CollectiveCheck(
             signatures=self.divergence_check,
             finite_grads=self.nonfinite_grad_check,
-            fqns=lambda: [s.group.fqn for s in states if s.group is not None],
+            fqns=lambda: [g.fqn for s in states for g in s.groups],
             on_failure=self.reset_iter_state,
             timeout=self.divergence_timeout,
         )
@@ -183,10 +192,11 @@ class FSDPState:
                 args, kwargs = inputs_to_device((args, kwargs), self.device)
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
-        if self.group is None:
+        if not self.groups:
             return args, kwargs
-        self.group.pre_forward()
-        self.ctx.prefetch_forward([s.group for s in self.forward_prefetch if s.group is not None])
+        for group in self.groups:
+            group.pre_forward()
+        self.ctx.prefetch_forward([g for s in self.forward_prefetch for g in s.groups])
         return self._register_post_backward(args, kwargs)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
@@ -201,10 +211,11 @@ class FSDPState:
             self.ctx.release_kept_all_gather()
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.mp_policy.output_dtype)
-        if self.group is None or self._is_recomputing_in_backward():
+        if not self.groups or self._is_recomputing_in_backward():
             return output
-        self.group.post_forward(module)
-        self.ctx.record_post_forward(self.group)
+        for group in self.groups:
+            group.post_forward(module)
+        self.ctx.record_post_forward(self.groups)
         return self._register_pre_backward(output)
 
     @_run_eagerly
@@ -214,28 +225,32 @@ class FSDPState:
             self.ctx.is_backward_callback_queued = True
             assert self.root is not None
             Variable._execution_engine.queue_callback(self.root.finalize_backward)
-        if self.group is not None and self.group.training_state != TrainingState.PRE_BACKWARD:
-            self.group.pre_backward()
+        pending = [g for g in self.groups if g.training_state != TrainingState.PRE_BACKWARD]
+        if pending:
+            for group in pending:
+                group.pre_backward()
+            # A target's groups in reverse: backward runs them last to first.
             explicit = (
                 None
                 if self.backward_prefetch is None
-                else [s.group for s in self.backward_prefetch if s.group is not None]
+                else [g for s in self.backward_prefetch for g in reversed(s.groups)]
             )
-            self.ctx.prefetch_backward(self.group, explicit)
+            self.ctx.prefetch_backward(self.groups, explicit)
         return grad
 
     @_run_eagerly
     def post_backward(self, node: object) -> None:
-        if self.group is not None:
-            self.group.on_post_backward_node(node)
+        # Last group first, as torch's chained per-group nodes fire.
+        for group in reversed(self.groups):
+            group.on_post_backward_node(node)
 
     @_run_eagerly
     def finalize_backward(self) -> None:
         """The root's end-of-backward callback, for every group in the tree."""
         assert self.ctx is not None and self.is_root
         for state in self.states_in_tree:
-            if state.group is not None:
-                state.group.finalize_backward()
+            for group in reversed(state.groups):
+                group.finalize_backward()
         # Every sharded grad has landed when backward returns, as in torch (whose
         # set_is_last_backward(False) only skips waiting for the device streams).
         self.ctx.wait_for_reduce_scatters()
@@ -243,8 +258,8 @@ class FSDPState:
         # micro-batch's add), so their device-to-host copies must have landed, as in
         # torch whatever set_is_last_backward says.
         for state in self.states_in_tree:
-            if state.group is not None:
-                state.group.reduction.wait_for_offloaded_grads(self.ctx.streams)
+            for group in state.groups:
+                group.reduction.wait_for_offloaded_grads(self.ctx.streams)
         self.ctx.reset()
 
     def reset_iter_state(self) -> None:
@@ -253,10 +268,10 @@ class FSDPState:
         if self.ctx is not None:
             self.ctx.abandon_reduce_scatters()
         for state in self.states_in_tree or [self]:
-            if state.group is not None:
-                state.group.reshard()
-                state.group.reset_iter_state()
-                state.group.discard_gradients()
+            for group in state.groups:
+                group.reshard()
+                group.reset_iter_state()
+                group.discard_gradients()
         if self.ctx is not None:
             self.ctx.reset()
 
@@ -267,7 +282,7 @@ class FSDPState:
         # pre-backward hook already unsharded the group, and nothing may be registered
         # again. After the group's post-backward (reentrant AC over two forwards: the
         # first forward's region is recomputed later) it is an ordinary forward again.
-        return self.group is not None and self.group.training_state == TrainingState.PRE_BACKWARD
+        return any(g.training_state == TrainingState.PRE_BACKWARD for g in self.groups)
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not torch.is_grad_enabled():
@@ -298,8 +313,8 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
-        assert state.group is not None
-        state.group.register_post_backward_node(ctx)
+        for group in state.groups:
+            group.register_post_backward_node(ctx)
         return inputs
 
     @staticmethod
@@ -349,7 +364,7 @@ def states_under(modules: tuple[nn.Module, ...]) -> list[FSDPState]:
 def max_in_flight_reduce_scatters(states: list[FSDPState]) -> int:
     """The bound of a root's tree: the largest ``set_reduce_scatter_max_input_buffers``
     over its groups, as torch resolves its per-group values (1 without any group)."""
-    return max((s.max_in_flight_reduce_scatters for s in states if s.group is not None), default=1)
+    return max((s.max_in_flight_reduce_scatters for s in states if s.groups), default=1)
 
 
 def assign_fqns(roots: tuple[nn.Module, ...], states: list[FSDPState]) -> None:
@@ -360,13 +375,14 @@ def assign_fqns(roots: tuple[nn.Module, ...], states: list[FSDPState]) -> None:
         for name, module in root.named_modules():
             names.setdefault(id(module), name)
     for state in states:
-        if state.group is None:
-            continue
-        state.group.fqn = names.get(id(state.modules[0]), "")
-        for fsdp_param in state.group.fsdp_params:
-            slot = fsdp_param.slots[0]
-            prefix = names.get(id(slot.module), "")
-            fsdp_param.fqn = f"{prefix}.{slot.name}" if prefix else slot.name
+        name = names.get(id(state.modules[0]), "")
+        for group in state.groups:
+            # Groups of one call on several meshes are told apart by their shard axis.
+            group.fqn = f"{name} [{group.mesh_info.label}]" if len(state.groups) > 1 else name
+            for fsdp_param in group.fsdp_params:
+                slot = fsdp_param.slots[0]
+                prefix = names.get(id(slot.module), "")
+                fsdp_param.fqn = f"{prefix}.{slot.name}" if prefix else slot.name
 
 
 def _describe(modules: tuple[nn.Module, ...]) -> str:

@@ -54,18 +54,17 @@ def register_state_dict_hooks(state: FSDPState) -> None:
 
 def _reshard_before_state_dict(state: FSDPState) -> Callable[..., None]:
     def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if state.group is not None:
-            state.group.reshard()
+        for group in state.groups:
+            group.reshard()
 
     return hook
 
 
 def _shard_loaded_values(state: FSDPState, root: nn.Module) -> Callable[..., None]:
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        if state.group is None:
-            return
-        state.group.reshard()
-        for fsdp_param in state.group.fsdp_params:
+        for group in state.groups:
+            group.reshard()
+        for fsdp_param in state.fsdp_params():
             for slot in fsdp_param.slots:
                 key = prefix + slot.key
                 if slot.root is root and key in state_dict:
@@ -76,9 +75,8 @@ def _shard_loaded_values(state: FSDPState, root: nn.Module) -> Callable[..., Non
 
 def _adopt_assigned(state: FSDPState) -> Callable[..., None]:
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
-        if state.group is not None:
-            for fsdp_param in state.group.fsdp_params:
-                _copy_assigned(fsdp_param)
+        for fsdp_param in state.fsdp_params():
+            _copy_assigned(fsdp_param)
 
     return hook
 
@@ -184,9 +182,9 @@ def _sharded_keys(module: nn.Module) -> set[str]:
     # nn.Module's load visits a shared submodule once per path, so every path counts.
     for prefix, submodule in module.named_modules(remove_duplicate=False):
         state = state_of(submodule)
-        if state is None or state.group is None:
+        if state is None:
             continue
-        for fsdp_param in state.group.fsdp_params:
+        for fsdp_param in state.fsdp_params():
             for slot in fsdp_param.slots:
                 if slot.root is submodule:
                     keys.add(f"{prefix}.{slot.key}" if prefix else slot.key)

@@ -30,16 +30,24 @@ from .state import state_of
 
 
 @dataclass(frozen=True)
+class GroupPlan:
+    """The parameters of one call on one data-parallel mesh: one FSDPParamGroup."""
+
+    mesh_info: MeshInfo
+    params: list[ParamToShard]
+    post_forward_size: int | None  # hpZ: the smaller world size after forward
+
+
+@dataclass(frozen=True)
 class ShardingPlan:
     """A validated fully_shard call."""
 
     modules: tuple[nn.Module, ...]
-    mesh_info: MeshInfo
-    params: list[ParamToShard]
+    mesh_info: MeshInfo  # the mesh passed to fully_shard
+    groups: list[GroupPlan]  # see [Note: several groups of one call]
     moved_buffers: list[tuple[nn.Module, str, torch.Tensor]]  # (owner, name, moved copy)
     param_device: torch.device  # where the sharded params go (meta stays meta)
     reshard_after_forward: bool
-    post_forward_size: int | None  # hpZ: the smaller world size after forward
     # The modules this call manages, as torch's fully_shard picks them; see
     # `_managed_modules`.
     managed_modules: list[nn.Module]
@@ -62,22 +70,90 @@ def plan_sharding(
     mesh_info = _mesh_info(mesh, dp_mesh_dims)
     device = mesh_info.device
     params = _collect_params(modules, set(ignored_params or ()), mesh_info, shard_placement_fn)
-    _validate_reduce_dtypes(params, mp_policy)
-    _validate_devices(params, device)
-    if _is_hpz(reshard_after_forward, mesh_info):
-        _validate_no_extensions_for_hpz(modules, params, reshard_after_forward)
+    groups = []
+    for group_mesh_info, group_params in _group_by_mesh(params, _post_order(modules)):
+        _validate_reduce_dtypes(group_params, mp_policy)
+        hpz = _is_hpz(reshard_after_forward, group_mesh_info)
+        if hpz:
+            _validate_no_extensions_for_hpz(modules, group_params, reshard_after_forward)
+        groups.append(
+            GroupPlan(
+                group_mesh_info,
+                group_params,
+                post_forward_size=reshard_after_forward if hpz else None,  # type: ignore[arg-type]
+            )
+        )
+    flat = [source for source, _ in params]
+    _validate_devices(flat, device)
     return ShardingPlan(
         modules=modules,
         mesh_info=mesh_info,
-        params=params,
+        groups=groups,
         moved_buffers=_moved_buffers(modules, device),
-        param_device=_param_device(params, device),
+        param_device=_param_device(flat, device),
         reshard_after_forward=_reshards_after_forward(reshard_after_forward),
-        post_forward_size=(
-            reshard_after_forward if _is_hpz(reshard_after_forward, mesh_info) else None  # type: ignore[arg-type]
-        ),
         managed_modules=_managed_modules(modules, ignored_params),
     )
+
+
+# [Note: several groups of one call]
+# shard_placement_fn may put parameters on other data-parallel meshes than the one
+# passed to fully_shard (torchtitan's MoE blocks: routed experts on the expert mesh,
+# the rest on the dense one). As in torch's FSDP2, the call then makes one group per
+# distinct (shard process group, replicate process group), ordered by their first
+# parameters; each is all-gathered and reduced on its own mesh, and the call's hooks
+# drive them together: forward unshards them in order, backward reduces them last to
+# first (torch chains one post-backward node per group on the inputs), and only the
+# second group prefetches in backward (see CommContext._implicit_backward_targets).
+# Unlike torch, which also wants one FSDPMeshInfo object per process-group pair (it
+# raises ValueError for two equal ones), ours keys by the process groups alone.
+
+
+def _group_by_mesh(
+    params: list[tuple[ParamToShard, MeshInfo]], post_order: dict[int, int]
+) -> list[tuple[MeshInfo, list[ParamToShard]]]:
+    """The parameters of each distinct data-parallel mesh (each group's in ``params``
+    order), the groups ordered as torch's: by their first parameter in the post-order
+    of the managed modules (a module's children before its own parameters)."""
+
+    def torch_position(source: ParamToShard) -> tuple[int, int]:
+        return min(
+            (post_order[id(slot.module)], list(slot.module._parameters).index(slot.name))
+            for slot in source.slots
+        )
+
+    by_key: dict[tuple[object, object], tuple[MeshInfo, list[ParamToShard]]] = {}
+    first: dict[tuple[object, object], tuple[int, int]] = {}
+    for source, mesh_info in params:
+        key = (
+            mesh_info.shard_group,
+            mesh_info.replicate_group if mesh_info.is_hsdp else None,
+        )
+        by_key.setdefault(key, (mesh_info, []))[1].append(source)
+        first[key] = min(first.get(key, torch_position(source)), torch_position(source))
+    return [by_key[key] for key in sorted(by_key, key=first.__getitem__)]
+
+
+def _post_order(modules: tuple[nn.Module, ...]) -> dict[int, int]:
+    """Each module of the call's subtrees (not those an earlier call owns), numbered in
+    post-order, as torch's fully_shard collects its managed modules."""
+    order: dict[int, int] = {}
+    done = 0
+
+    def visit(module: nn.Module) -> None:
+        nonlocal done
+        if id(module) in order:
+            return
+        order[id(module)] = -1  # visiting: a shared module is numbered once
+        for child in module.children():
+            if state_of(child) is None:
+                visit(child)
+        order[id(module)] = done
+        done += 1
+
+    for root in modules:
+        visit(root)
+    return order
 
 
 def _validate_no_extensions_for_hpz(
@@ -231,9 +307,10 @@ def _collect_params(
     ignored: set[nn.Parameter],
     mesh_info: MeshInfo,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None,
-) -> list[ParamToShard]:
-    """Each parameter this call manages, once, with every slot it is registered in."""
-    found: dict[int, ParamToShard] = {}
+) -> list[tuple[ParamToShard, MeshInfo]]:
+    """Each parameter this call manages, once, with every slot it is registered in,
+    and the data-parallel mesh it is sharded on."""
+    found: dict[int, tuple[ParamToShard, MeshInfo]] = {}
     for root in modules:
         root_name = type(root).__name__
         for prefix, module in _walk(root):
@@ -244,7 +321,9 @@ def _collect_params(
                     found[id(param)] = _param_to_shard(
                         root_name, f"{prefix}{name}", param, mesh_info, shard_placement_fn
                     )
-                found[id(param)].slots.append(ParamSlot(module, name, root, f"{prefix}{name}"))
+                found[id(param)][0].slots.append(
+                    ParamSlot(module, name, root, f"{prefix}{name}")
+                )
     return list(found.values())
 
 
@@ -254,7 +333,7 @@ def _param_to_shard(
     param: nn.Parameter,
     mesh_info: MeshInfo,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None,
-) -> ParamToShard:
+) -> tuple[ParamToShard, MeshInfo]:
     sharded_as = getattr(param, _REPLACED_ATTR, None)
     if sharded_as is not None:
         raise ValueError(
@@ -283,13 +362,16 @@ def _param_to_shard(
         has_all_gather_extension(data)
     except AssertionError as error:
         raise AssertionError(f"fully_shard({root_name}): parameter '{fqn}': {error}") from None
-    shard_dim = _shard_dim(root_name, fqn, data, mesh_info, shard_placement_fn, param)
+    where = f"fully_shard({root_name}): parameter '{fqn}'"
+    result = shard_placement_fn(param) if shard_placement_fn is not None else None
+    placement, mesh_info = _placement_and_mesh(where, result, mesh_info)
+    shard_dim = _shard_dim(where, data, mesh_info, placement)
     try:
         layout = spmd_layout(mesh_info, param, fqn, shard_dim)
     except ValueError as error:
         # The same type: MeshMismatchError is also the RuntimeError torch raises.
         raise type(error)(f"fully_shard({root_name}): {error}") from None
-    return ParamToShard(fqn, param, [], layout, shard_dim)
+    return ParamToShard(fqn, param, [], layout, shard_dim), mesh_info
 
 
 class ShardDimError(ValueError, AssertionError):
@@ -298,17 +380,9 @@ class ShardDimError(ValueError, AssertionError):
 
 
 def _shard_dim(
-    root_name: str,
-    fqn: str,
-    data: torch.Tensor,
-    mesh_info: MeshInfo,
-    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
-    param: nn.Parameter,
+    where: str, data: torch.Tensor, mesh_info: MeshInfo, placement: Shard | None
 ) -> int:
-    """The dim ``shard_placement_fn`` picks for ``param`` (0 by default), validated."""
-    where = f"fully_shard({root_name}): parameter '{fqn}'"
-    result = shard_placement_fn(param) if shard_placement_fn is not None else None
-    placement = _placement_on_group_mesh(where, result, mesh_info)
+    """The dim of ``placement`` (0 for None) on ``data``, validated."""
     if placement is None:
         return 0
     dim = placement.dim + data.dim() if placement.dim < 0 else placement.dim
@@ -329,38 +403,57 @@ def _shard_dim(
     return dim
 
 
-def _placement_on_group_mesh(where: str, result: Any, mesh_info: MeshInfo) -> Shard | None:
-    """The ``Shard`` (or None) in a ``shard_placement_fn`` result: a ``Shard``, None, or
-    torch's ``ShardPlacementResult`` (duck-typed: ``placement`` and ``mesh_info``) on
-    this group's mesh. One fully_shard call is one group on one mesh (torch makes one
-    group per process group), so a parameter on another mesh needs its own call."""
+def _placement_and_mesh(
+    where: str, result: Any, mesh_info: MeshInfo
+) -> tuple[Shard | None, MeshInfo]:
+    """The ``Shard`` (or None) and the data-parallel mesh of a ``shard_placement_fn``
+    result: a ``Shard`` or None on ``mesh_info`` (the call's mesh), or torch's
+    ``ShardPlacementResult`` (duck-typed: ``placement`` and ``mesh_info``, an
+    ``FSDPMeshInfo`` read by its fields) on any data-parallel mesh of the same device
+    type; see [Note: several groups of one call]."""
     if hasattr(result, "placement") and hasattr(result, "mesh_info"):
-        their_mesh = getattr(result.mesh_info, "mesh", None)
-        same = same_process_groups(
-            mesh_info,
-            their_mesh,
-            getattr(result.mesh_info, "shard_mesh_dim", None),
-            getattr(result.mesh_info, "replicate_mesh_dim", None),
-        )
+        theirs = result.mesh_info
+        their_mesh = getattr(theirs, "mesh", None)
+        shard_axis = getattr(theirs, "shard_mesh_dim", None)
+        replicate_axis = getattr(theirs, "replicate_mesh_dim", None)
+        same = same_process_groups(mesh_info, their_mesh, shard_axis, replicate_axis)
         if same is None:
             raise ValueError(
                 f"{where}: Invalid shard_placement_fn result: {result!r}; its mesh_info "
                 "needs a DeviceMesh `mesh` and an int `shard_mesh_dim` (an FSDPMeshInfo)"
             )
         if not same:
-            raise NotImplementedError(
-                f"{where}: shard_placement_fn puts it on {their_mesh}, not on the mesh passed "
-                f"to fully_shard ({mesh_info.mesh}); dtensor_fsdp shards one fully_shard "
-                "call's parameters on one mesh. Shard the module that holds it in a separate "
-                "fully_shard call first, with that mesh: fully_shard(submodule, mesh=...)"
-            )
+            assert isinstance(their_mesh, DeviceMesh)
+            if their_mesh.device_type != mesh_info.mesh.device_type:
+                raise ValueError(
+                    f"{where}: shard_placement_fn puts it on {their_mesh}, whose device type "
+                    f"is not that of the mesh passed to fully_shard ({mesh_info.mesh}); one "
+                    "fully_shard call runs on one device type: build both meshes for it"
+                )
+            mesh_info = _their_mesh_info(theirs, their_mesh, shard_axis, replicate_axis)
         result = result.placement
     if result is None or type(result) is Shard:
-        return result
+        return result, mesh_info
     raise ValueError(
         f"{where}: Invalid shard_placement_fn result: {result!r}. Return a Shard(dim), None "
-        "(Shard(0)) or a ShardPlacementResult on the mesh passed to fully_shard"
+        "(Shard(0)) or a ShardPlacementResult"
     )
+
+
+def _their_mesh_info(
+    theirs: Any, mesh: DeviceMesh, shard_axis: int, replicate_axis: int | None
+) -> MeshInfo:
+    """Our MeshInfo for torch's mesh info: its mesh and axes, or, built from a full SPMD
+    mesh with ``dp_mesh_dims`` (torch's ``_get_mesh_info(mesh, dims)``), that mesh's."""
+    spmd_mesh, dims = getattr(theirs, "spmd_mesh", None), getattr(theirs, "dp_mesh_dims", None)
+    if isinstance(spmd_mesh, DeviceMesh) and dims is not None:
+        return spmd_mesh_info(
+            spmd_mesh,
+            DataParallelMeshDims(
+                shard=getattr(dims, "shard", None), replicate=getattr(dims, "replicate", None)
+            ),
+        )
+    return MeshInfo(mesh=mesh, shard_axis=shard_axis, replicate_axis=replicate_axis)
 
 
 def _validate_reduce_dtypes(params: list[ParamToShard], mp_policy: MixedPrecisionPolicy) -> None:

@@ -99,7 +99,7 @@ def _accumulate(rank: int, mesh: Any, how: str) -> dict[str, Any]:
                 "unsharded_bytes": sum(
                     p.unsharded_param.untyped_storage().nbytes()
                     for module in (model, model[0], model[2])
-                    for p in module._get_fsdp_state().group.fsdp_params
+                    for p in module._get_fsdp_state().fsdp_params()
                 ),
                 "has_sharded_grad": [p.grad is not None for p in model.parameters()],
             })

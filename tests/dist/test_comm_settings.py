@@ -74,7 +74,7 @@ def _reduce_scatter_groups(model: torch.nn.Module, impl: str) -> list[Any]:
     if impl == "torch":
         infos = [m._get_fsdp_state()._fsdp_param_groups[0].mesh_info for m in modules]
         return [info.reduce_scatter_process_group or info.shard_process_group for info in infos]
-    return [m._get_fsdp_state().group.reduction.reduce_scatter_group for m in modules]
+    return [m._get_fsdp_state().groups[0].reduction.reduce_scatter_group for m in modules]
 
 
 def _separate_group(rank: int, mesh: DeviceMesh) -> dict[str, Any]:

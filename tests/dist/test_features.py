@@ -119,8 +119,8 @@ def _unsharded_bytes(model: nn.Module) -> int:
     return sum(
         p.unsharded_param.untyped_storage().nbytes()
         for m in model.modules()
-        if isinstance(m, FSDPModule) and m._get_fsdp_state().group is not None
-        for p in m._get_fsdp_state().group.fsdp_params
+        if isinstance(m, FSDPModule) and m._get_fsdp_state().groups
+        for p in m._get_fsdp_state().fsdp_params()
     )
 
 

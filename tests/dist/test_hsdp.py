@@ -174,7 +174,7 @@ def _torch_parity(
     if separate:
         for model in (ours, theirs):
             model.set_separate_reduce_scatter_group()
-        roles[ours._get_fsdp_state().group.reduction.reduce_scatter_group.group_name] = "separate"
+        roles[ours._get_fsdp_state().groups[0].reduction.reduce_scatter_group.group_name] = "separate"
         info = theirs._get_fsdp_state()._fsdp_param_groups[0].mesh_info
         roles[info.reduce_scatter_process_group.group_name] = "separate"
     opts = make_optimizer(ours.parameters()), make_optimizer(theirs.parameters())

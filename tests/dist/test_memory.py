@@ -34,7 +34,7 @@ def _model(mesh: Any, reshard_after_forward: bool) -> nn.Sequential:
 
 
 def _storage_bytes(module: nn.Module) -> list[int]:
-    group = module._get_fsdp_state().group
+    group = module._get_fsdp_state().groups[0]
     return [p.unsharded_param.untyped_storage().nbytes() for p in group.fsdp_params]
 
 
@@ -66,7 +66,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
         out[f"unsharded_grads_{reshard}"] = [
             p.unsharded_param.grad is None
             for m in (model[0], model[2], model)
-            for p in m._get_fsdp_state().group.fsdp_params
+            for p in m._get_fsdp_state().fsdp_params()
         ]
         out[f"grads_{reshard}"] = {
             n: (type(p.grad).__name__, tuple(p.grad.to_local().shape))

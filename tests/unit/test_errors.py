@@ -360,31 +360,49 @@ def test_shard_placement_result_on_the_groups_mesh_matches_torch(shape: tuple) -
     assert layouts[0]["weight"][1][-1] == Shard(1)
 
 
-def test_shard_placement_result_on_another_mesh_needs_its_own_call() -> None:
+def test_shard_placement_result_on_another_mesh_makes_a_second_group() -> None:
     with fake_mesh(4):
         mesh = DeviceMesh("cpu", torch.arange(4))
         expert_mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("ep", "dp"))
         expert_info = FSDPMeshInfo(expert_mesh["dp"], shard_mesh_dim=0)
 
         def placement(param: nn.Parameter) -> Any:
-            return ShardPlacementResult(Shard(0), expert_info) if param.dim() == 2 else None
+            return ShardPlacementResult(Shard(1), expert_info) if param.dim() == 2 else None
 
-        # torch makes a second parameter group, on the other mesh, within one call.
-        theirs = _mlp()
+        # torch and ours make a second parameter group, on the other mesh, within one
+        # call, ordered by their first parameters: the weights' group first.
+        theirs, ours = _mlp(), _mlp()
         torch_fully_shard(theirs, mesh=mesh, shard_placement_fn=placement)
-        assert theirs[0].weight.device_mesh == expert_mesh["dp"]
-        assert theirs[0].bias.device_mesh == mesh
-        model = _mlp()
-        _assert_rejected(
-            model, lambda: fully_shard(model, mesh=mesh, shard_placement_fn=placement),
-            NotImplementedError,
-            "parameter '0.weight': shard_placement_fn puts it on .*dp=2.*separate fully_shard call",
-        )
-        # What the message asks for: the module on the other mesh first, then the rest.
-        fully_shard(model[0], mesh=expert_mesh["dp"])
-        fully_shard(model, mesh=mesh)
-        assert model[0].weight.device_mesh == expert_mesh["dp"]
-        assert model[2].weight.device_mesh == mesh
+        fully_shard(ours, mesh=mesh, shard_placement_fn=placement)
+        their_groups = torch_fully_shard.state(theirs)._fsdp_param_groups
+        our_groups = ours._get_fsdp_state().groups
+        assert [len(g.fsdp_params) for g in our_groups] == [
+            len(g.fsdp_params) for g in their_groups
+        ] == [2, 2]
+        for name, param in ours.named_parameters():
+            their = dict(theirs.named_parameters())[name]
+            assert (param.device_mesh, param.placements, param.to_local().shape) == (
+                their.device_mesh, their.placements, their.to_local().shape,
+            ), name
+        assert ours[0].weight.device_mesh == expert_mesh["dp"]
+        assert ours[0].weight.placements == (Shard(1),)
+        assert ours[0].bias.device_mesh == mesh
+
+
+def test_shard_placement_result_on_the_call_mesh_joins_its_group() -> None:
+    # A ShardPlacementResult on the mesh passed to fully_shard, beside parameters that
+    # returned None: torch wants the very FSDPMeshInfo object it built and raises
+    # (README, differences); ours puts them in one group, as their process groups are.
+    with fake_mesh(2) as mesh:
+        info = FSDPMeshInfo(mesh, shard_mesh_dim=0)
+
+        def placement(param: nn.Parameter) -> Any:
+            return ShardPlacementResult(Shard(0), info) if param.dim() == 1 else None
+
+        with pytest.raises(ValueError, match="same FSDPMeshInfo object"):
+            torch_fully_shard(_mlp(), mesh=mesh, shard_placement_fn=placement)
+        model = fully_shard(_mlp(), mesh=mesh, shard_placement_fn=placement)
+        assert [len(g.fsdp_params) for g in model._get_fsdp_state().groups] == [4]
 
 
 def test_shard_placement_result_without_a_usable_mesh_info() -> None:
@@ -516,7 +534,7 @@ def test_replaced_parameter_that_cannot_be_adopted(name: str) -> None:
         model = models[fully_shard]
         registered = [m._parameters.copy() for m in model.modules()]
         sharded = [
-            p.sharded_param for s in model._fsdp_states(True) for p in s.group.fsdp_params
+            p.sharded_param for s in model._fsdp_states(True) for p in s.fsdp_params()
         ]
         with pytest.raises(ValueError, match=phrase):
             model(inp)
@@ -524,7 +542,7 @@ def test_replaced_parameter_that_cannot_be_adopted(name: str) -> None:
         # sharded params are unchanged, and no state became a root.
         assert [m._parameters.copy() for m in model.modules()] == registered
         states = model._fsdp_states(True)
-        assert [p.sharded_param for s in states for p in s.group.fsdp_params] == sharded
+        assert [p.sharded_param for s in states for p in s.fsdp_params()] == sharded
         assert all(s.ctx is None for s in states)
 
 

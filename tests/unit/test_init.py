@@ -68,7 +68,7 @@ def test_class_swap_keeps_original_methods_and_buffers() -> None:
         # Buffers are moved, never sharded.
         assert not isinstance(model[0].scale, DTensor) and model[0].scale.shape == (8,)
         # The root group owns what the child did not: Block 1 and the head.
-        root_group = model._get_fsdp_state().group
+        root_group = model._get_fsdp_state().groups[0]
         assert sorted(p.fqn for p in root_group.fsdp_params) == [
             "1.down.weight",
             "1.up.bias",
@@ -84,7 +84,7 @@ def test_tied_parameter_shares_one_shard_and_both_slots() -> None:
     with fake_mesh(2) as mesh:
         fully_shard(model, mesh=mesh)
         assert model[0].weight is model[1].weight
-        (fsdp_param,) = model._get_fsdp_state().group.fsdp_params
+        (fsdp_param,) = model._get_fsdp_state().fsdp_params()
         assert len(fsdp_param.slots) == 2
 
 
@@ -95,7 +95,7 @@ def test_mixed_dtypes_in_one_group_share_the_sharded_buffer() -> None:
     expected = copy.deepcopy(model)
     with fake_mesh(2, rank=1) as mesh:
         fully_shard(model, mesh=mesh)
-        group = model._get_fsdp_state().group
+        group = model._get_fsdp_state().groups[0]
         # float64 first, so every segment offset is aligned for its dtype.
         assert [p.fqn for p in group.fsdp_params] == ["bias", "weight"]
         assert group.sharded_buffer.numel() == 3 * 8 + 3 * 4 * 4
@@ -116,7 +116,7 @@ def test_unsharded_storage_is_freed_at_init() -> None:
     model = nn.Linear(4, 6)
     with fake_mesh(2) as mesh:
         fully_shard(model, mesh=mesh)
-        for fsdp_param in model._get_fsdp_state().group.fsdp_params:
+        for fsdp_param in model._get_fsdp_state().fsdp_params():
             assert fsdp_param.unsharded_param.untyped_storage().size() == 0
 
 
