@@ -128,8 +128,7 @@ def _build(
 
 def _grad_pairs(ours: list, theirs: list) -> dict[str, tuple[Any, Any]]:
     """(ours, torch's) local sharded grad per stage and parameter; None where a
-    parameter has no grad (torch's zero-bubble schedule leaves the first stage's
-    weights without, see the test)."""
+    parameter has no grad (see the zero-bubble case in the test)."""
     pairs = {}
     for o, t in zip(ours, theirs, strict=True):
         for (name, a), (_, b) in zip(
@@ -155,15 +154,21 @@ def _reduction_kind(kind: str) -> str:
     return "reduce_scatter" if kind == "all_to_all" else kind
 
 
+def _local_modules(mesh: DeviceMesh, schedule: str) -> dict[int, StageModule]:
+    """This pp rank's stage modules, by stage index, of one model seeded alike on every
+    rank."""
+    indices = _stage_indices(schedule, mesh["pp"].get_local_rank())
+    torch.manual_seed(0)
+    every = [StageModule() for _ in range(PP * len(indices))]
+    return {i: every[i] for i in indices}
+
+
 def _pipeline(
     mesh: DeviceMesh, schedule: str, reshard: bool, impls: tuple[str, ...] = ("torch", "ours")
 ) -> dict[str, Any]:
-    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    indices = _stage_indices(schedule, pp_rank)
-    num_stages = PP * len(indices)
-    torch.manual_seed(0)
-    every = [StageModule() for _ in range(num_stages)]  # the same on every rank
-    modules = {i: every[i] for i in indices}
+    modules = _local_modules(mesh, schedule)
+    num_stages = PP * len(modules)
+    dp_rank = mesh["dp"].get_local_rank()
     dp_group, pp_group = mesh["dp"].get_group().group_name, mesh["pp"].get_group().group_name
     built = {impl: _build(impl, modules, num_stages, mesh, schedule, reshard) for impl in impls}
     optimizers = {
@@ -281,6 +286,19 @@ def _post_backward_calls(
     return rec
 
 
+def _refuses_torchs_stage(mesh: DeviceMesh) -> str | None:
+    """``register_fsdp_actions`` on a schedule whose stages are torch's ``PipelineStage``
+    over our modules: the message, or None if it was accepted."""
+    _, stages = _build("ours_plain", _local_modules(mesh, "interleaved1f1b"), 2 * PP, mesh,
+                       "interleaved1f1b", False)  # fmt: skip
+    schedule = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=_loss)
+    try:
+        register_fsdp_actions(schedule)
+    except TypeError as error:
+        return str(error)
+    return None
+
+
 CASES = [(s, r) for s in SCHEDULES for r in (False, True)]
 
 
@@ -293,6 +311,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
     scenarios = {_case_name(s, r): (lambda s=s, r=r: _pipeline(mesh, s, r)) for s, r in CASES}
     scenarios["control"] = lambda: _pipeline(mesh, "1f1b", False, impls=("torch", "ours_plain"))
     scenarios["run_post_backward"] = lambda: _run_post_backward(mesh)
+    scenarios["refuses_torchs_stage"] = lambda: _refuses_torchs_stage(mesh)
     return run_scenarios(scenarios)
 
 
@@ -355,3 +374,9 @@ def test_run_post_backward_matches_torchs_internal_calls(run):
             assert a["sharded"] == b["sharded"] == [True, True], (rank, what)
             for index, (x, y) in enumerate(zip(a["grads"], b["grads"], strict=True)):
                 assert x is not None and y is not None and torch.equal(x, y), (rank, what, index)
+
+
+def test_register_fsdp_actions_refuses_torchs_stage_over_our_modules(run):
+    for message in scenario_records(run, "refuses_torchs_stage"):
+        assert message is not None and "holds dtensor_fsdp modules" in message, message
+        assert "build it with dtensor_fsdp.pipelining.PipelineStage" in message, message
