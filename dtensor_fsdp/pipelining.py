@@ -102,6 +102,8 @@ def register_fsdp_actions(schedule: _PipelineSchedule) -> _PipelineSchedule:
     """
     if not isinstance(schedule, _PipelineScheduleRuntime):
         return schedule
+    # The schedule's stages: torch keeps them in ``_stages`` (no public accessor); the
+    # actions name a stage by its index.
     stages = {stage.stage_index: stage for stage in schedule._stages}
     for index, stage in stages.items():
         if not isinstance(stage, PipelineStage) and any(
@@ -109,8 +111,8 @@ def register_fsdp_actions(schedule: _PipelineSchedule) -> _PipelineSchedule:
         ):
             raise TypeError(
                 f"stage {index} ({type(stage.submod).__name__}) holds dtensor_fsdp "
-                f"modules but is a {type(stage).__name__}: build it with "
-                "dtensor_fsdp.pipelining.PipelineStage (same arguments)"
+                f"modules but is a {type(stage).__module__}.{type(stage).__qualname__}: "
+                "build it with dtensor_fsdp.pipelining.PipelineStage (same arguments)"
             )
 
     def unshard(action: _Action, ctx: _PipelineContext) -> None:
