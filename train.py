@@ -12,6 +12,7 @@ Launch with torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE:
     torchrun --nproc-per-node 4 train.py --checkpoint-dir ckpt --resume --batch-size 4
     torchrun --nproc-per-node 2 train.py --optimizer muon  # Muon on the blocks' matrices
     torchrun --nproc-per-node 2 train.py --compile         # each block torch.compile-d
+    torchrun --nproc-per-node 4 train.py --pp 2            # 2 pipeline stages x FSDP over 2
 
 Parallelism: the world is a mesh of ``replicate x shard x tp`` ranks, where
 ``shard = world / (replicate * tp)``; axes of size 1 are left out of the mesh:
@@ -21,6 +22,14 @@ axis (consecutive ranks, i.e. within a node), then shard, then replicate: for a
 multi-node HSDP run, ``--replicate`` = number of nodes replicates across nodes and
 shards within each. Every transformer block is its own ``fully_shard`` unit and the
 root holds the embeddings, final norm and output projection, as in torchtitan.
+
+Pipeline parallelism (``--pp N``): an outermost "pp" axis, as torchtitan lays it out,
+``("pp", "dp")`` or ``("pp", "replicate", "shard")``. The blocks are split into stages
+(the embedding on the first, the final norm and output head on the last), each stage
+module and its blocks sharded over the rest of the mesh, and torch's pipeline schedule
+(``--pp-schedule``) runs them through ``dtensor_fsdp.pipelining``. Each data-parallel
+rank's rows are split into ``--microbatches``; the last stage's ranks compute the loss,
+which one all-reduce brings to every rank for the per-step line.
 
 Data: a deterministic stream of noisy arithmetic sequences (see
 ``synthetic_batch``). Every rank draws the same global batch of
@@ -49,6 +58,7 @@ import types
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -70,12 +80,38 @@ from dtensor_fsdp.models.llama import (
     cross_entropy_loss,
     swiglu_hidden_dim,
 )
-from dtensor_fsdp.optim import Muon, clip_grad_norm_, split_muon_params, step_on_local_shards
+from dtensor_fsdp.models.llama_stages import LlamaStage, split_into_stages
+from dtensor_fsdp.optim import (
+    Muon,
+    clip_grad_norm_,
+    get_total_norm,
+    split_muon_params,
+    step_on_local_shards,
+)
+from dtensor_fsdp.pipelining import PipelineStage, register_fsdp_actions
 
 # Chance that a token is replaced by a uniform random one; it sets the loss floor
 # and keeps the task from being solved exactly in a handful of steps.
 NOISE_PROB = 0.1
 MAX_STRIDE = 8
+# --pp-schedule: torch's schedule classes, and how many stages each pp rank holds.
+PP_SCHEDULES = {
+    "gpipe": (ScheduleGPipe, 1),
+    "1f1b": (Schedule1F1B, 1),
+    "interleaved1f1b": (ScheduleInterleaved1F1B, 2),
+}
+# What --pp does not combine with, and why (validate_parallelism names them).
+PP_EXCLUDES = {
+    "tp": "tensor parallelism inside stages is not wired up",
+    "grad_accum": "the microbatches are the accumulation: use --microbatches",
+    "meta_init": "the stages are cut from an initialized model",
+    "cpu_offload": "not tested with pipeline schedules",
+    "compile": "not tested with pipeline schedules",
+    "optimizer": "Muon's parameter split reads the whole model",
+    "checkpoint_dir": "checkpoints hold the whole model's FQNs on every rank",
+    "trace_comms": "the trace is per FSDP root, and each stage is one",
+    "tie_embeddings": "the first and last stages would share the weight across ranks",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,6 +148,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="HSDP: replicas (e.g. nodes); parameters are sharded within each",
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (innermost axis)")
+    parser.add_argument(
+        "--pp", type=int, default=1, help="pipeline-parallel degree (outermost axis)"
+    )
+    parser.add_argument(
+        "--pp-schedule",
+        choices=sorted(PP_SCHEDULES),
+        default="1f1b",
+        help="torch's pipeline schedule; interleaved1f1b holds two stages per pp rank",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        help="pipeline microbatches per step, dividing --batch-size (default: --batch-size)",
+    )
     parser.add_argument(
         "--mixed-precision",
         choices=("none", "bf16"),
@@ -162,11 +212,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "full parameters to this JSON file",
     )
     args = parser.parse_args(argv)
-    for flag in ("replicate", "tp", "steps", "batch_size", "grad_accum"):
+    for flag in ("replicate", "tp", "pp", "steps", "batch_size", "grad_accum"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         parser.error("--checkpoint-every and --resume need --checkpoint-dir")
+    if args.microbatches is None:
+        args.microbatches = args.batch_size
     return args
 
 
@@ -195,24 +247,28 @@ class Parallelism:
 
     mesh: DeviceMesh
     """The whole mesh: ("dp",), ("replicate", "shard"), ("dp", "tp") or
-    ("replicate", "shard", "tp")."""
+    ("replicate", "shard", "tp"), after a leading "pp" axis with --pp."""
     dp_mesh: DeviceMesh
-    """What fully_shard gets: the mesh without its "tp" axis."""
+    """What fully_shard gets: the mesh without its "pp" and "tp" axes."""
     tp_mesh: DeviceMesh | None
     """The "tp" sub-mesh, or None without tensor parallelism."""
     dp_rank: int
     """This rank's index among the data-parallel ranks (replicate-major)."""
     dp_size: int
     """Number of data-parallel ranks: replicate * shard."""
+    pp_mesh: DeviceMesh | None = None
+    """The "pp" sub-mesh, or None without pipeline parallelism."""
 
 
 def validate_parallelism(args: argparse.Namespace, config: LlamaConfig, world_size: int) -> None:
     """Raise ValueError, naming the flags, for a layout that cannot be built."""
-    if world_size % (args.replicate * args.tp):
+    if world_size % (args.replicate * args.tp * args.pp):
         raise ValueError(
-            f"--replicate {args.replicate} x --tp {args.tp} must divide the world size "
-            f"{world_size} (the shard size is world / (replicate * tp))"
+            f"--replicate {args.replicate} x --tp {args.tp} x --pp {args.pp} must divide the "
+            f"world size {world_size} (the shard size is world / (replicate * tp * pp))"
         )
+    if args.pp > 1:
+        validate_pipeline(args, config)
     if args.tp > 1:
         if args.optimizer == "muon":
             raise ValueError(
@@ -233,6 +289,32 @@ def validate_parallelism(args: argparse.Namespace, config: LlamaConfig, world_si
             )
 
 
+def validate_pipeline(args: argparse.Namespace, config: LlamaConfig) -> None:
+    """Raise ValueError for a --pp run that cannot be built, naming the flags."""
+    defaults = parse_args([])
+    excluded = [
+        f"--{flag.replace('_', '-')} ({why})"
+        for flag, why in PP_EXCLUDES.items()
+        if flag != "tie_embeddings" and getattr(args, flag) != getattr(defaults, flag)
+    ]
+    if config.tie_embeddings:
+        excluded.append(f"--tie-embeddings ({PP_EXCLUDES['tie_embeddings']})")
+    if excluded:
+        raise ValueError(f"--pp {args.pp} does not combine with {', '.join(excluded)}")
+    num_stages = args.pp * PP_SCHEDULES[args.pp_schedule][1]
+    if config.n_layers < num_stages:
+        raise ValueError(
+            f"--pp {args.pp} with --pp-schedule {args.pp_schedule} makes {num_stages} stages, "
+            f"more than the {config.n_layers} layers: raise --n-layers or lower --pp"
+        )
+    if args.batch_size % args.microbatches or args.microbatches < args.pp:
+        raise ValueError(
+            f"--microbatches {args.microbatches} must divide --batch-size {args.batch_size} "
+            f"(equal microbatches keep the loss a mean over the batch) and be at least "
+            f"--pp {args.pp} (torch's 1F1B needs one per stage)"
+        )
+
+
 def init_distributed(device_arg: str) -> torch.device:
     """Join torchrun's process group: NCCL on CUDA, gloo on CPU."""
     use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
@@ -246,17 +328,22 @@ def init_distributed(device_arg: str) -> torch.device:
     return device
 
 
-def build_mesh(device: torch.device, replicate: int, tp: int) -> Parallelism:
-    """One mesh over the world, (replicate, shard, tp) with the size-1 axes left out."""
+def build_mesh(device: torch.device, replicate: int, tp: int, pp: int = 1) -> Parallelism:
+    """One mesh over the world, (pp, replicate, shard, tp) with the size-1 axes left out."""
     world_size = dist.get_world_size()
-    shard = world_size // (replicate * tp)
+    shard = world_size // (replicate * tp * pp)
     if replicate > 1:
         dp_shape, dp_names = (replicate, shard), ("replicate", "shard")
     else:
         dp_shape, dp_names = (shard,), ("dp",)
     tp_shape, tp_names = ((tp,), ("tp",)) if tp > 1 else ((), ())
-    mesh = init_device_mesh(device.type, dp_shape + tp_shape, mesh_dim_names=dp_names + tp_names)
-    dp_mesh = mesh[dp_names] if tp > 1 else mesh
+    pp_shape, pp_names = ((pp,), ("pp",)) if pp > 1 else ((), ())
+    mesh = init_device_mesh(
+        device.type,
+        pp_shape + dp_shape + tp_shape,
+        mesh_dim_names=pp_names + dp_names + tp_names,
+    )
+    dp_mesh = mesh[dp_names] if tp > 1 or pp > 1 else mesh
     dp_rank = dp_mesh.get_local_rank(dp_names[-1])
     if replicate > 1:  # replicate-major, as the global batch is split
         dp_rank += dp_mesh.get_local_rank("replicate") * shard
@@ -266,6 +353,7 @@ def build_mesh(device: torch.device, replicate: int, tp: int) -> Parallelism:
         tp_mesh=mesh["tp"] if tp > 1 else None,
         dp_rank=dp_rank,
         dp_size=replicate * shard,
+        pp_mesh=mesh["pp"] if pp > 1 else None,
     )
 
 
@@ -290,25 +378,78 @@ def build_model(
             checkpoint_forward(block)
     if args.compile:
         compile_blocks(model)
-    mp_policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if args.mixed_precision == "bf16"
-        else MixedPrecisionPolicy()
-    )
-    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
     for module in [*model.layers, model]:
-        fully_shard(
-            module,
-            mesh=parallelism.dp_mesh,
-            reshard_after_forward=args.reshard_after_forward == "true",
-            mp_policy=mp_policy,
-            offload_policy=offload_policy,
-        )
+        fully_shard(module, mesh=parallelism.dp_mesh, **fsdp_settings(args))
     if args.meta_init:
         model.to_empty(device=device)
         with init_unsharded(model):
             init_from_seed(model, args.seed)
     return model
+
+
+def fsdp_settings(args: argparse.Namespace) -> dict:
+    """The ``fully_shard`` keyword arguments the flags ask for, besides the mesh."""
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if args.mixed_precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    return {
+        "reshard_after_forward": args.reshard_after_forward == "true",
+        "mp_policy": mp_policy,
+        "offload_policy": CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy(),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """This rank's stages of a ``--pp`` run and torch's schedule over them."""
+
+    stages: list[PipelineStage]
+    schedule: object
+    """torch's schedule (``PP_SCHEDULES``) over ``stages``."""
+    pp_mesh: DeviceMesh
+    n_params: int
+    """The whole model's parameter count."""
+
+    @property
+    def modules(self) -> list[LlamaStage]:
+        return [stage.submod for stage in self.stages]
+
+
+def build_pipeline(
+    config: LlamaConfig, parallelism: Parallelism, device: torch.device, args: argparse.Namespace
+) -> Pipeline:
+    """Build and initialize the whole model on every rank (the same values as without
+    --pp), keep this pp rank's stages (looped: rank r holds stages r, r + pp, ..., as
+    torch's interleaved schedules expect), shard each stage's blocks and the stage
+    module over the data-parallel mesh, and wrap them in torch's schedule."""
+    assert parallelism.pp_mesh is not None
+    with device:
+        model = Llama(config)
+    init_from_seed(model, args.seed)
+    schedule_cls, stages_per_rank = PP_SCHEDULES[args.pp_schedule]
+    num_stages = args.pp * stages_per_rank
+    pp_rank = parallelism.pp_mesh.get_local_rank()
+    stage_ids = [pp_rank + k * args.pp for k in range(stages_per_rank)]
+    modules = split_into_stages(model, num_stages, stage_ids)
+    for module in modules:
+        for block in module.layers.values():
+            if args.activation_checkpointing:
+                checkpoint_forward(block)
+            fully_shard(block, mesh=parallelism.dp_mesh, **fsdp_settings(args))
+        fully_shard(module, mesh=parallelism.dp_mesh, **fsdp_settings(args))
+    stages = [
+        PipelineStage(module, index, num_stages, device, group=parallelism.pp_mesh.get_group())
+        for index, module in zip(stage_ids, modules, strict=True)
+    ]
+    schedule = schedule_cls(
+        stages if stages_per_rank > 1 else stages[0], args.microbatches, loss_fn=cross_entropy_loss
+    )
+    register_fsdp_actions(schedule)  # interleaved: UNSHARD/RESHARD; others: unchanged
+    return Pipeline(
+        stages, schedule, parallelism.pp_mesh, sum(p.numel() for p in model.parameters())
+    )
 
 
 def init_from_seed(model: Llama, seed: int) -> None:
@@ -411,6 +552,49 @@ def train_step(
     return total_loss, grad_norm
 
 
+def pipeline_step(
+    pipeline: Pipeline, optimizers: list[torch.optim.Optimizer], tokens: torch.Tensor,
+    args: argparse.Namespace,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One optimizer step of a ``--pp`` run on this data-parallel rank's tokens: the
+    schedule splits them into ``--microbatches``, and its last stage computes their
+    losses; returns (this rank's loss, 0 off the last stage; the whole model's grad
+    norm)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # each (B, T)
+    losses: list[torch.Tensor] = []
+    step_args = (inputs,) if any(s.is_first for s in pipeline.stages) else ()
+    is_last = any(s.is_last for s in pipeline.stages)
+    step_kwargs = {"target": targets, "losses": losses} if is_last else {}
+    pipeline.schedule.step(*step_args, **step_kwargs)
+    # Equal microbatches, each loss their mean: their mean is the mean over the rows,
+    # and the schedule divides the summed grads by their number (scale_grads).
+    local_loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+    params = [p for module in pipeline.modules for p in module.parameters()]
+    grad_norm = clip_grad_norm_across_stages(params, args.max_norm, pipeline.pp_mesh)
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+    return local_loss, grad_norm
+
+
+@torch.no_grad()
+def clip_grad_norm_across_stages(
+    params: list[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh
+) -> torch.Tensor:
+    """``clip_grad_norm_`` of the whole model when each pp rank holds some stages, as
+    torchtitan computes it: this rank's 2-norm squared, summed over the pp ranks, then
+    every local grad scaled by ``min(max_norm / (norm + 1e-6), 1)`` as torch scales."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = get_total_norm(grads)  # one Replicate DTensor: all grads are on the dp mesh
+    squared = (norm.to_local() if isinstance(norm, DTensor) else norm) ** 2
+    dist.all_reduce(squared, group=pp_mesh.get_group())
+    total = squared.sqrt()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        grad.to_local().mul_(scale)
+    return total
+
+
 def resume(
     args: argparse.Namespace,
     model: Llama,
@@ -443,15 +627,17 @@ def resume(
     return loaded.step
 
 
-def mean_over_ranks(value: torch.Tensor) -> float:
-    """Average a scalar over all ranks; SUM then divide, since gloo has no AVG.
+def mean_over_ranks(value: torch.Tensor, holders: int | None = None) -> float:
+    """Average a scalar over the ``holders`` ranks that hold one (default: all; the
+    others pass 0); SUM then divide, since gloo has no AVG.
 
     The TP ranks of one data-parallel rank hold the same loss, so with every
     data-parallel rank counted tp times this is the mean over data-parallel ranks.
+    With --pp only the last stage's ranks hold a loss: world / pp of them.
     """
     total = value.clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total.item() / dist.get_world_size()
+    return total.item() / (holders or dist.get_world_size())
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -474,12 +660,24 @@ def report_comms(trace: CommTrace, steps: int, path: str) -> None:
     trace.export_chrome_trace(path)
 
 
-def write_metrics(path: str, model: Llama, losses: list[float], grad_norms: list[float]) -> None:
+def write_metrics(
+    path: str, modules: list[torch.nn.Module], losses: list[float], grad_norms: list[float]
+) -> None:
     """Rank 0 writes the run's losses, grad norms and full parameters as JSON.
 
-    Every rank must call it: ``full_tensor()`` all-gathers each parameter.
+    Every rank must call it: ``full_tensor()`` all-gathers each parameter. With --pp
+    each rank holds some stages (``modules``), whose parameters reach rank 0 through
+    one object all-gather over the world.
     """
-    params = {name: p.full_tensor().flatten().tolist() for name, p in model.named_parameters()}
+    params = {
+        name: p.full_tensor().flatten().tolist()
+        for module in modules
+        for name, p in module.named_parameters()
+    }
+    if len(modules) > 1 or isinstance(modules[0], LlamaStage):
+        parts: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(parts, params)
+        params = {name: value for part in parts for name, value in part.items()}
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump({"losses": losses, "grad_norms": grad_norms, "params": params}, f)
@@ -489,14 +687,20 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     config = build_config(args)
     seq_len = config.max_seq_len
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    parallelism = build_mesh(device, args.replicate, args.tp)
-    model = build_model(config, parallelism, device, args)
+    parallelism = build_mesh(device, args.replicate, args.tp, args.pp)
+    if args.pp > 1:
+        pipeline = build_pipeline(config, parallelism, device, args)
+        modules, n_params = pipeline.modules, pipeline.n_params
+        model = torch.nn.ModuleList(modules)  # for the optimizers: this rank's params
+    else:
+        pipeline = None
+        model = build_model(config, parallelism, device, args)
+        modules, n_params = [model], sum(p.numel() for p in model.parameters())
     optimizers = build_optimizers(model, args)
     generator = torch.Generator().manual_seed(args.seed)
     global_rows = args.batch_size * parallelism.dp_size * args.grad_accum
     tokens_per_step = global_rows * seq_len
     if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
         print(
             f"{config}\nparams {n_params:,} | world {world_size} | mesh {parallelism.mesh} | "
             f"device {device} | global batch {global_rows} x {seq_len} tokens",
@@ -512,8 +716,12 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         start = time.perf_counter()
         global_batch = synthetic_batch(generator, global_rows, seq_len, config.vocab_size)
         tokens = local_rows(global_batch, parallelism.dp_rank, parallelism.dp_size).to(device)
-        local_loss, grad_norm = train_step(model, optimizers, tokens, args)
-        losses.append(mean_over_ranks(local_loss))  # .item() also waits for the device
+        if pipeline is None:
+            local_loss, grad_norm = train_step(model, optimizers, tokens, args)
+        else:
+            local_loss, grad_norm = pipeline_step(pipeline, optimizers, tokens, args)
+        # .item() also waits for the device
+        losses.append(mean_over_ranks(local_loss, world_size // args.pp))
         grad_norms.append(grad_norm.item())
         throughputs.append(tokens_per_step / (time.perf_counter() - start))
         if rank == 0:
@@ -530,7 +738,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             }
             save_checkpoint(args.checkpoint_dir, step, model, optimizers, extra)
     if args.metrics_out:
-        write_metrics(args.metrics_out, model, losses, grad_norms)
+        write_metrics(args.metrics_out, modules, losses, grad_norms)
     if trace is not None and rank == 0:
         report_comms(trace, args.steps - done, args.trace_comms)
 

@@ -103,6 +103,32 @@ class FSDPModule:
         state so the next iteration starts clean. Call it on the root."""
         self._get_fsdp_state().reset_iter_state()
 
+    def run_post_backward(self) -> None:
+        """Run the post-backward of every group in this module's FSDP tree now, then the
+        end of backward, as when a backward finishes: gradients accumulated under
+        ``set_requires_gradient_sync(False)`` are reduce-scattered (one collective per
+        group, none for a group without gradients) and land on the sharded params, and
+        each group reshards per ``set_reshard_after_backward``.
+
+        dtensor_fsdp only: torch has no public name for it. torch's pipeline stages do
+        the same at the end of a step through torch-internal state (each group's
+        ``post_backward()``, then the root's final callback);
+        ``dtensor_fsdp.pipelining.PipelineStage`` calls this instead. Call it between
+        backwards, on the root or any module of its tree (it acts on the whole tree, as
+        torch's does). As torch's, it is a no-op before the first forward, and with
+        nothing accumulated (a second call included) it issues no collective.
+        """
+        root = self._get_fsdp_state().root
+        if root is None:
+            return  # no forward yet: nothing was accumulated
+        groups: dict[int, FSDPParamGroup] = {}
+        for module in root.modules:  # pre-order, root first: torch's order of states
+            for group in module._groups(recurse=True):  # type: ignore[attr-defined]
+                groups.setdefault(id(group), group)
+        for group in groups.values():
+            group.post_backward()
+        root.finalize_backward()
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last before the optimizer step. Accepted as
         torch's is; it changes nothing here: every sharded grad has landed when any
