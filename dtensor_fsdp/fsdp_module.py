@@ -115,8 +115,9 @@ class FSDPModule:
         ``post_backward()``, then the root's final callback);
         ``dtensor_fsdp.pipelining.PipelineStage`` calls this instead. Call it between
         backwards, on the root or any module of its tree (it acts on the whole tree, as
-        torch's does). As torch's, it is a no-op before the first forward, and with
-        nothing accumulated (a second call included) it issues no collective.
+        torch's does). Before the first forward it does nothing (torch's internal calls
+        raise ``AttributeError`` there); with nothing accumulated (a second call
+        included) it issues no collective, as torch's.
         """
         root = self._get_fsdp_state().root
         if root is None:
