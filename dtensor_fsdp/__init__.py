@@ -25,8 +25,8 @@ from .consistency import CollectiveMismatchError, NonFiniteGradError
 from .fsdp_module import FSDPModule, UnshardHandle
 from .fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from .init import init_unsharded
-from .plan import Plan, plan
 from .optim import Muon, clip_grad_norm_, get_total_norm, split_muon_params, step_on_local_shards
+from .plan import Plan, plan
 from .state_dict import load_full_state_dict, save_full_state_dict
 from .trace import CommEvent, CommTrace, DeviceTiming, LifecycleEvent
 

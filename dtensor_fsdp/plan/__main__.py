@@ -29,17 +29,27 @@ MODELS = ("tiny", "small", "llama2_7b", "llama3_8b", "llama3_70b", "llama3_405b"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m dtensor_fsdp.plan", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m dtensor_fsdp.plan", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--model", choices=MODELS, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--replicate", type=int, default=1, help="HSDP replicas (default 1: FSDP)")
-    parser.add_argument("--mp", choices=("fp32", "bf16"), default="fp32",
-                        help="bf16: bf16 params in compute, fp32 gradient reduction")
+    parser.add_argument(
+        "--mp",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: bf16 params in compute, fp32 gradient reduction",
+    )
     parser.add_argument("--offload", action="store_true", help="CPUOffloadPolicy")
-    parser.add_argument("--optimizer", choices=("sgd", "sgd_momentum", "adam", "adamw"), default="adamw")
+    parser.add_argument(
+        "--optimizer", choices=("sgd", "sgd_momentum", "adam", "adamw"), default="adamw"
+    )
     parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
-    parser.add_argument("--budget-gib", type=float, help="per-rank memory budget: does the peak fit?")
+    parser.add_argument(
+        "--budget-gib", type=float, help="per-rank memory budget: does the peak fit?"
+    )
     parser.add_argument("--link-gbps", type=float, default=400.0, help="per-rank link, Gbit/s")
     parser.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per rank")
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON")

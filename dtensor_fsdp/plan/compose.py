@@ -79,7 +79,7 @@ def _renumber_last(fqn: str, stack: str, k: int, n_blocks: int) -> str:
     for j in (k - 2, k - 1):
         block = f"{stack}.{j}"
         if fqn == block or fqn.startswith(block + "."):
-            return f"{stack}.{n_blocks - k + j}" + fqn[len(block):]
+            return f"{stack}.{n_blocks - k + j}" + fqn[len(block) :]
     return fqn
 
 

@@ -70,7 +70,9 @@ class PeakTracker(MemTracker):
             self.peak_phase = (
                 "optimizer step"
                 if self._in_opt
-                else "backward" if self._mod_tracker.is_bw else "forward"
+                else "backward"
+                if self._mod_tracker.is_bw
+                else "forward"
             )
 
     def _innermost_module(self) -> str:

@@ -127,7 +127,11 @@ class Plan:
         return "\n".join(self._header() + [""] + self._group_table())
 
     def _header(self) -> list[str]:
-        mesh = f"HSDP {self.replicate}x{self.world_size // self.replicate}" if self.replicate > 1 else "FSDP"
+        mesh = (
+            f"HSDP {self.replicate}x{self.world_size // self.replicate}"
+            if self.replicate > 1
+            else "FSDP"
+        )
         breakdown = ", ".join(
             f"{name} {_size(self.peak_breakdown[name])}"
             for name in CATEGORIES
@@ -142,19 +146,28 @@ class Plan:
             for p in ("forward", "backward")
         )
         return [
-            f"plan: {self.model}, {self.model_params / 1e9:.3f}B params "
-            f"({_size(self.model_bytes)}) | W={self.world_size} {mesh} | "
-            f"{self.optimizer} | param {self.param_dtype}, reduce {self.reduce_dtype} | "
-            f"offload {'on' if self.offload else 'off'} | planned in {self.planning_s:.1f} s",
-            f"per rank: sharded params {_size(self.sharded_param_bytes)}, grads "
-            f"{_size(self.sharded_grad_bytes)}, optimizer states "
-            f"{_size(self.optimizer_state_bytes)} "
-            f"({self.optimizer_bytes_per_param:.1f} B/param)",
-            f"predicted peak {_size(self.peak_bytes)} in "
-            f"{self.peak_module or '(root)'} ({self.peak_phase}): {breakdown}",
+            (
+                f"plan: {self.model}, {self.model_params / 1e9:.3f}B params "
+                f"({_size(self.model_bytes)}) | W={self.world_size} {mesh} | "
+                f"{self.optimizer} | param {self.param_dtype}, reduce {self.reduce_dtype} | "
+                f"offload {'on' if self.offload else 'off'} | planned in {self.planning_s:.1f} s"
+            ),
+            (
+                f"per rank: sharded params {_size(self.sharded_param_bytes)}, grads "
+                f"{_size(self.sharded_grad_bytes)}, optimizer states "
+                f"{_size(self.optimizer_state_bytes)} "
+                f"({self.optimizer_bytes_per_param:.1f} B/param)"
+            ),
+            (
+                f"predicted peak {_size(self.peak_bytes)} in "
+                f"{self.peak_module or '(root)'} ({self.peak_phase}): {breakdown}"
+            ),
             f"collectives per step (c10d): {collectives or 'none'}",
-            f"at {self.tflops:g} TFLOP/s and {self.link_gbps:g} Gbit/s: {phases}; "
-            f"step >= {self.step_s * 1e3:.1f} ms, exposed comm {self.exposed_comm_s * 1e3:.1f} ms",
+            (
+                f"at {self.tflops:g} TFLOP/s and {self.link_gbps:g} Gbit/s: {phases}; "
+                f"step >= {self.step_s * 1e3:.1f} ms, exposed comm "
+                f"{self.exposed_comm_s * 1e3:.1f} ms"
+            ),
         ]
 
     def _group_table(self) -> list[str]:
@@ -168,7 +181,7 @@ class Plan:
             c = {kind: g.collectives.get(kind, {"count": 0, "bytes": 0}) for kind in KINDS}
             rows.append(
                 f"{g.fqn or '(root)':<16} {g.params:>14,} {g.unsharded_bytes / MiB:>13.1f} "
-                f"{str(g.reshard_after_forward):>7} "
+                f"{g.reshard_after_forward!s:>7} "
                 + " ".join(
                     f"{c[kind]['count']:>4} {c[kind]['bytes'] / MiB:>9.1f}" for kind in KINDS
                 )
@@ -176,4 +189,3 @@ class Plan:
                 f" {g.backward_flops / 1e9:>10.1f}"
             )
         return rows
-

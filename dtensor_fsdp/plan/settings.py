@@ -82,8 +82,7 @@ class PlanSettings:
             raise TypeError(f"model must be an nn.Module or a factory, got {type(self.model)}")
         if self.world_size < 1 or self.replicate < 1:
             raise ValueError(
-                f"world_size ({self.world_size}) and replicate ({self.replicate}) must be "
-                "positive"
+                f"world_size ({self.world_size}) and replicate ({self.replicate}) must be positive"
             )
         if self.world_size % self.replicate != 0:
             raise ValueError(

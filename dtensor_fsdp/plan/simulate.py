@@ -13,7 +13,6 @@ import time
 import warnings
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -56,8 +55,10 @@ def plan(model: nn.Module | Any, *, world_size: int, batch: Any, **settings: Any
         A ``Plan`` (see ``report.py`` for its time model).
 
     Raises:
-        ValueError / TypeError: bad settings (no batch, a ``replicate`` that does not
-            divide ``world_size``, an unknown optimizer, a root left unsharded).
+        ValueError: bad settings (no batch, a ``replicate`` that does not divide
+            ``world_size``, an unknown optimizer).
+        TypeError: ``model`` is not a module or factory; ``shard_fn`` left the root
+            without ``fully_shard``.
         RuntimeError: a default process group is already initialized.
     """
     return simulate(PlanSettings(model, world_size, batch, **settings))
@@ -110,7 +111,7 @@ def _simulate_on_fake_group(settings: PlanSettings, start: float) -> Plan:
             offload_policy=settings.offload_policy,
         )
         if not isinstance(model, FSDPModule):
-            raise ValueError(
+            raise TypeError(
                 f"shard_fn left the root {type(model).__name__} without fully_shard: "
                 "call fully_shard(model, ...) last, as the default shard_fn does"
             )
@@ -147,8 +148,8 @@ def _simulate_on_fake_group(settings: PlanSettings, start: float) -> Plan:
         world_size=settings.world_size,
         replicate=settings.replicate,
         optimizer=settings.optimizer_name,
-        param_dtype=str(settings.mp_policy.param_dtype or "as the params").removeprefix("torch."),
-        reduce_dtype=str(settings.mp_policy.reduce_dtype or "param dtype").removeprefix("torch."),
+        param_dtype=str(settings.mp_policy.param_dtype or "unchanged").removeprefix("torch."),
+        reduce_dtype=str(settings.mp_policy.reduce_dtype or "unchanged").removeprefix("torch."),
         offload=type(settings.offload_policy).__name__ == "CPUOffloadPolicy",
         link_gbps=settings.link_gbps,
         tflops=settings.tflops,
@@ -169,7 +170,6 @@ def _simulate_on_fake_group(settings: PlanSettings, start: float) -> Plan:
         planning_s=time.perf_counter() - start,
         settings=settings,
     )
-
 
 
 def _sharded_bytes(tracker: PeakTracker) -> dict[str, int]:

@@ -140,12 +140,23 @@ def test_plan_matches_real_run(runs: dict[int, list], name: str) -> None:
     predicted = _plan(name)
     for rank, (peak, records) in enumerate(measured):
         print(f"{name} rank {rank}: predicted/measured peak {predicted.peak_bytes / peak:.4f}")
-        assert abs(predicted.peak_bytes / peak - 1) <= 0.05, (name, rank, predicted.peak_bytes, peak)
+        assert abs(predicted.peak_bytes / peak - 1) <= 0.05, (
+            name,
+            rank,
+            predicted.peak_bytes,
+            peak,
+        )
         assert predicted.collectives == _totals(records), (name, rank)
     # The per-group figures (ours' trace) add up to the c10d count.
     for kind, entry in predicted.collectives.items():
-        assert sum(g.collectives.get(kind, {}).get("count", 0) for g in predicted.groups) == entry["count"]
-        assert sum(g.collectives.get(kind, {}).get("bytes", 0) for g in predicted.groups) == entry["bytes"]
+        assert (
+            sum(g.collectives.get(kind, {}).get("count", 0) for g in predicted.groups)
+            == entry["count"]
+        )
+        assert (
+            sum(g.collectives.get(kind, {}).get("bytes", 0) for g in predicted.groups)
+            == entry["bytes"]
+        )
 
 
 def test_plan_matches_torch_fully_shard(runs: dict[int, list]) -> None:

@@ -63,7 +63,9 @@ def test_collectives_per_group(adamw_plan: Plan) -> None:
     group reduce-scatters once; the c10d count equals the groups' sum."""
     by_fqn = {g.fqn: g for g in adamw_plan.groups}
     assert {fqn: g.collectives["all_gather"]["count"] for fqn, g in by_fqn.items()} == {
-        "": 1, "layers.0": 2, "layers.1": 2,
+        "": 1,
+        "layers.0": 2,
+        "layers.1": 2,
     }
     for g in adamw_plan.groups:
         assert g.collectives["reduce_scatter"] == {"count": 1, "bytes": g.unsharded_bytes}
@@ -71,7 +73,9 @@ def test_collectives_per_group(adamw_plan: Plan) -> None:
     assert adamw_plan.collectives["reduce_scatter"]["bytes"] == sum(
         g.unsharded_bytes for g in adamw_plan.groups
     )
-    assert adamw_plan.forward_flops > 0 and adamw_plan.backward_flops == 2 * adamw_plan.forward_flops
+    assert (
+        adamw_plan.forward_flops > 0 and adamw_plan.backward_flops == 2 * adamw_plan.forward_flops
+    )
 
 
 def test_to_json_and_table(adamw_plan: Plan) -> None:
@@ -92,8 +96,16 @@ def test_replan_sgd_has_no_optimizer_state(adamw_plan: Plan) -> None:
 def test_compose_equals_whole_simulation() -> None:
     whole = _plan(n_layers=6)
     composed = compose(_plan(n_layers=3), _plan(n_layers=4), 6)
-    for field in ("peak_bytes", "peak_breakdown", "peak_module", "peak_phase", "collectives",
-                  "sharded_param_bytes", "optimizer_state_bytes", "forward_flops"):
+    for field in (
+        "peak_bytes",
+        "peak_breakdown",
+        "peak_module",
+        "peak_phase",
+        "collectives",
+        "sharded_param_bytes",
+        "optimizer_state_bytes",
+        "forward_flops",
+    ):
         assert getattr(composed, field) == getattr(whole, field), field
     assert [dataclasses.replace(g, comm_s={}) for g in composed.groups] == [
         dataclasses.replace(g, comm_s={}) for g in whole.groups
@@ -139,16 +151,32 @@ def test_fake_group_destroyed_on_error() -> None:
 
 
 def test_unsharded_root_is_refused() -> None:
-    with pytest.raises(ValueError, match="without fully_shard"):
+    with pytest.raises(TypeError, match="without fully_shard"):
         _plan(shard_fn=lambda model, **kwargs: None)
 
 
 def test_cli_tiny_json(tmp_path) -> None:
     path = tmp_path / "plan.json"
     result = subprocess.run(
-        [sys.executable, "-m", "dtensor_fsdp.plan", "--model", "tiny", "--world-size", "4",
-         "--seq", "32", "--budget-gib", "1", "--json", str(path)],
-        capture_output=True, text=True, timeout=120, check=True,
+        [
+            sys.executable,
+            "-m",
+            "dtensor_fsdp.plan",
+            "--model",
+            "tiny",
+            "--world-size",
+            "4",
+            "--seq",
+            "32",
+            "--budget-gib",
+            "1",
+            "--json",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert "predicted peak" in result.stdout and "fits" in result.stdout
     figures = json.loads(path.read_text())
