@@ -93,8 +93,9 @@ class Plan:
 
     @property
     def optimizer_bytes_per_param(self) -> float:
-        sharded_params = self.model_params / (self.world_size // self.replicate)
-        return self.optimizer_state_bytes / sharded_params
+        """Optimizer-state bytes per element of this rank's (padded) parameter shards."""
+        mean_itemsize = self.model_bytes / self.model_params
+        return self.optimizer_state_bytes * mean_itemsize / self.sharded_param_bytes
 
     def compute_s(self, phase: str) -> float:
         flops = self.forward_flops if phase == "forward" else self.backward_flops
