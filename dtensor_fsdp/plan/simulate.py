@@ -20,9 +20,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..api import CPUOffloadPolicy
 from ..fsdp_module import FSDPModule
 from ..param_group import FSDPParamGroup
-from ..trace import CommEvent, CommTrace
+from ..trace import CommTrace
 from .recorders import C10dCounter, PeakTracker
 from .report import GroupPlan, Plan
 from .settings import PlanSettings
@@ -97,6 +98,18 @@ def _mesh(settings: PlanSettings) -> DeviceMesh:
     )
 
 
+@dataclasses.dataclass
+class _StepRecords:
+    """What the recorders saw of the last simulated step."""
+
+    tracker: PeakTracker
+    collectives: C10dCounter
+    trace: CommTrace
+    forward_flops: dict[str, int]  # FlopCounterMode's module name -> FLOPs, inclusive
+    backward_flops: dict[str, int]
+    sharded: dict[str, int]  # after the optimizer step, see _sharded_bytes
+
+
 def _simulate_on_fake_group(settings: PlanSettings, start: float) -> Plan:
     model = settings.build_meta_model()
     model_name = type(model).__name__  # before fully_shard renames the class
@@ -105,44 +118,20 @@ def _simulate_on_fake_group(settings: PlanSettings, start: float) -> Plan:
     mesh = _mesh(settings)  # outside FakeTensorMode: the mesh holds real rank tensors
     with FakeTensorMode(allow_non_fake_inputs=True):
         settings.shard_fn(
-            model,
-            mesh=mesh,
-            mp_policy=settings.mp_policy,
-            offload_policy=settings.offload_policy,
+            model, mesh=mesh, mp_policy=settings.mp_policy, offload_policy=settings.offload_policy
         )
         if not isinstance(model, FSDPModule):
             raise TypeError(
                 f"shard_fn left the root {type(model).__name__} without fully_shard: "
                 "call fully_shard(model, ...) last, as the default shard_fn does"
             )
-        trace = CommTrace()
-        model.set_comm_trace(trace)
-        counter = C10dCounter()
-        tracker = PeakTracker(type(model).__name__)
-        with tracker:
-            model.to_empty(device="cpu")
-            optimizer = settings.make_optimizer(model.parameters())
-            batch = settings.batch() if callable(settings.batch) else settings.batch
-            for _ in range(_STEPS):
-                tracker.reset_mod_stats()  # MemTracker refuses a second iteration otherwise
-                tracker.restart_peak()
-                trace.clear()
-                counter.records.clear()
-                with counter, FlopCounterMode(display=False) as flops:
-                    loss = settings.loss_fn(model, batch)
-                    forward_flops = {k: sum(v.values()) for k, v in flops.flop_counts.items()}
-                    loss.backward()
-                    del loss
-                    optimizer.step()
-                sharded = _sharded_bytes(tracker)
-                optimizer.zero_grad()
-        total_flops = {k: sum(v.values()) for k, v in flops.get_flop_counts().items()}
-        backward_flops = {k: total_flops[k] - forward_flops.get(k, 0) for k in total_flops}
-        groups = [
-            _group_plan(group, model, trace.events, forward_flops, backward_flops, settings)
-            for state in model._fsdp_states(recurse=True)
-            for group in state.groups
-        ]
+        step = _run_steps(model, settings)
+    groups = [
+        _group_plan(group, model, step, settings)
+        for state in model._fsdp_states(recurse=True)
+        for group in state.groups
+    ]
+    breakdown = step.tracker.peak_breakdown()
     return Plan(
         model=model_name,
         world_size=settings.world_size,
@@ -150,26 +139,56 @@ def _simulate_on_fake_group(settings: PlanSettings, start: float) -> Plan:
         optimizer=settings.optimizer_name,
         param_dtype=str(settings.mp_policy.param_dtype or "unchanged").removeprefix("torch."),
         reduce_dtype=str(settings.mp_policy.reduce_dtype or "unchanged").removeprefix("torch."),
-        offload=type(settings.offload_policy).__name__ == "CPUOffloadPolicy",
+        offload=isinstance(settings.offload_policy, CPUOffloadPolicy),
         link_gbps=settings.link_gbps,
         tflops=settings.tflops,
         model_params=model_params,
         model_bytes=model_bytes,
-        sharded_param_bytes=sharded["params"],
-        sharded_grad_bytes=sharded["grads"],
-        optimizer_state_bytes=sharded["optimizer"],
-        peak_bytes=sum(tracker.peak_breakdown().values()),
-        peak_breakdown=tracker.peak_breakdown(),
-        peak_module=tracker.peak_module,
-        peak_phase=tracker.peak_phase,
+        sharded_param_bytes=step.sharded["params"],
+        sharded_grad_bytes=step.sharded["grads"],
+        optimizer_state_bytes=step.sharded["optimizer"],
+        peak_bytes=sum(breakdown.values()),
+        peak_breakdown=breakdown,
+        peak_module=step.tracker.peak_module,
+        peak_phase=step.tracker.peak_phase,
         groups=groups,
-        collectives=counter.totals(),
-        forward_flops=forward_flops.get("Global", 0),
-        backward_flops=backward_flops.get("Global", 0),
-        timeline=list(tracker.timeline),
+        collectives=step.collectives.totals(),
+        forward_flops=step.forward_flops.get("Global", 0),
+        backward_flops=step.backward_flops.get("Global", 0),
+        timeline=list(step.tracker.timeline),
         planning_s=time.perf_counter() - start,
         settings=settings,
     )
+
+
+def _run_steps(model: FSDPModule, settings: PlanSettings) -> _StepRecords:
+    """Materialize the sharded model on fake tensors and train ``_STEPS`` steps; the
+    records are the last step's. The batch is made inside, so it is counted (as
+    MemTracker's activations), as a real job holds it too."""
+    trace = CommTrace()
+    model.set_comm_trace(trace)
+    counter = C10dCounter()
+    tracker = PeakTracker(type(model).__name__)
+    with tracker:
+        model.to_empty(device="cpu")
+        optimizer = settings.make_optimizer(model.parameters())
+        batch = settings.batch() if callable(settings.batch) else settings.batch
+        for _ in range(_STEPS):
+            tracker.reset_mod_stats()  # MemTracker refuses a second iteration otherwise
+            tracker.restart_peak()
+            trace.clear()
+            counter.records.clear()
+            with counter, FlopCounterMode(display=False) as flops:
+                loss = settings.loss_fn(model, batch)
+                forward = {k: sum(v.values()) for k, v in flops.flop_counts.items()}
+                loss.backward()
+                del loss
+                optimizer.step()
+            sharded = _sharded_bytes(tracker)
+            optimizer.zero_grad()
+    total = {k: sum(v.values()) for k, v in flops.get_flop_counts().items()}
+    backward = {k: total[k] - forward.get(k, 0) for k in total}
+    return _StepRecords(tracker, counter, trace, forward, backward, sharded)
 
 
 def _sharded_bytes(tracker: PeakTracker) -> dict[str, int]:
@@ -212,16 +231,11 @@ def _is_outermost(sub: nn.Module, top: nn.Module) -> bool:
 
 
 def _group_plan(
-    group: FSDPParamGroup,
-    model: nn.Module,
-    events: list[CommEvent],
-    forward_flops: dict[str, int],
-    backward_flops: dict[str, int],
-    settings: PlanSettings,
+    group: FSDPParamGroup, model: nn.Module, step: _StepRecords, settings: PlanSettings
 ) -> GroupPlan:
     collectives: dict[str, dict[str, int]] = {}
     comm_s: dict[str, float] = {}
-    for event in events:
+    for event in step.trace.events:
         if event.fqn != group.fqn:
             continue
         entry = collectives.setdefault(event.kind, {"count": 0, "bytes": 0})
@@ -237,6 +251,6 @@ def _group_plan(
         reshard_after_forward=group.reshard_after_forward,
         collectives=collectives,
         comm_s=comm_s,
-        forward_flops=_owned_flops(group, model, forward_flops),
-        backward_flops=_owned_flops(group, model, backward_flops),
+        forward_flops=_owned_flops(group, model, step.forward_flops),
+        backward_flops=_owned_flops(group, model, step.backward_flops),
     )
