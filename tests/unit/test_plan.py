@@ -35,9 +35,10 @@ def _plan(world_size: int = 4, n_layers: int = 2, **settings) -> Plan:
     )
 
 
-@pytest.fixture(scope="module")
-def adamw_plan() -> Plan:
-    return _plan()
+@pytest.fixture(scope="module", params=[4, 3], ids=["W4", "W3_padded"])
+def adamw_plan(request: pytest.FixtureRequest) -> Plan:
+    """W=4 divides every dim 0 of the tiny Llama; W=3 pads every shard."""
+    return _plan(world_size=request.param)
 
 
 def test_breakdown_adds_up_to_peak(adamw_plan: Plan) -> None:
