@@ -26,6 +26,7 @@ from .fsdp_module import FSDPModule, UnshardHandle
 from .fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from .init import init_unsharded
 from .optim import Muon, clip_grad_norm_, get_total_norm, split_muon_params, step_on_local_shards
+from .plan import Plan, plan
 from .state_dict import load_full_state_dict, save_full_state_dict
 from .trace import CommEvent, CommTrace, DeviceTiming, LifecycleEvent
 
@@ -44,6 +45,7 @@ __all__ = [
     "Muon",
     "NonFiniteGradError",
     "OffloadPolicy",
+    "Plan",
     "ReduceScatter",
     "UnshardHandle",
     "clip_grad_norm_",
@@ -51,6 +53,7 @@ __all__ = [
     "get_total_norm",
     "init_unsharded",
     "load_full_state_dict",
+    "plan",
     "register_fsdp_forward_method",
     "save_full_state_dict",
     "share_comm_ctx",

@@ -111,12 +111,45 @@ class LlamaConfig:
             max_seq_len=4096,
         )
 
+    @classmethod
+    def llama3_8b(cls) -> "LlamaConfig":
+        """Llama-3 8B shapes (8.03B parameters: 128256 vocabulary, GQA with 8 KV heads,
+        FFN 14336, RoPE base 500000), as Meta's params.json; meta device only."""
+        return cls(
+            vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+            ffn_hidden_dim=swiglu_hidden_dim(4096, multiple_of=1024, multiplier=1.3),
+            max_seq_len=8192, rope_theta=500000.0,
+        )
+
+    @classmethod
+    def llama3_70b(cls) -> "LlamaConfig":
+        """Llama-3 70B shapes (70.55B parameters, FFN 28672); meta device only."""
+        return cls(
+            vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+            ffn_hidden_dim=swiglu_hidden_dim(8192, multiple_of=4096, multiplier=1.3),
+            max_seq_len=8192, rope_theta=500000.0,
+        )
+
+    @classmethod
+    def llama3_405b(cls) -> "LlamaConfig":
+        """Llama-3.1 405B shapes (405.85B parameters, 126 blocks, FFN 53248); meta only."""
+        return cls(
+            vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+            ffn_hidden_dim=swiglu_hidden_dim(16384, multiple_of=4096, multiplier=1.2),
+            max_seq_len=8192, rope_theta=500000.0,
+        )
+
 
 PRESETS: dict[str, Callable[[], LlamaConfig]] = {
     "tiny": LlamaConfig.tiny,
     "small": LlamaConfig.small,
     "llama_7b": LlamaConfig.llama_7b,
     "llama_70b": LlamaConfig.llama_70b,
+    # The plan CLI's names: Llama-2 7B is llama_7b, and Llama-3's.
+    "llama2_7b": LlamaConfig.llama_7b,
+    "llama3_8b": LlamaConfig.llama3_8b,
+    "llama3_70b": LlamaConfig.llama3_70b,
+    "llama3_405b": LlamaConfig.llama3_405b,
 }
 
 

@@ -1,0 +1,256 @@
+"""``plan()``: simulate training steps on fake tensors and torch's fake process group,
+and turn what they did into a ``Plan``.
+
+Pieces: torch's ``fake`` process group (any world size in one process, collectives
+move nothing), ``FakeTensorMode`` (shapes and dtypes, no memory, no arithmetic),
+``MemTracker`` (live bytes by category), ``FlopCounterMode`` (FLOPs); ours: the
+``fully_shard`` being planned, its ``CommTrace`` (collectives per group and phase) and
+a c10d-level count of every collective.
+"""
+
+import dataclasses
+import time
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..api import CPUOffloadPolicy
+from ..fsdp_module import FSDPModule
+from ..param_group import FSDPParamGroup
+from ..trace import CommTrace
+from .recorders import C10dCounter, PeakTracker
+from .report import GroupPlan, Plan
+from .settings import PlanSettings
+
+# Step 1 creates the optimizer states, which MemTracker over-counts under fake tensors;
+# from step 2 on its figures match real runs. The plan reports step 2.
+_STEPS = 2
+
+
+def plan(model: nn.Module | Any, *, world_size: int, batch: Any, **settings: Any) -> Plan:
+    """Simulate training steps of ``model`` sharded over ``world_size`` ranks, in this
+    process and without allocating its memory, and predict one rank's memory,
+    collectives and compute.
+
+    Args:
+        model: an ``nn.Module`` (on ``meta`` or real; a ``meta`` copy is planned, the
+            module is left as it is) or a factory returning one (called under
+            ``torch.device("meta")``).
+        world_size: ranks to simulate.
+        batch: one rank's example batch, or a factory of it.
+        **settings: the other fields of ``PlanSettings``: ``loss_fn(model, batch)``
+            (default ``model(batch).sum()``), ``replicate`` (HSDP replicas),
+            ``shard_fn(model, mesh=, mp_policy=, offload_policy=)`` (default
+            ``shard_largest_module_list``: each child of the largest ``ModuleList``,
+            then the root), ``mp_policy``, ``offload_policy``, ``optimizer``
+            (``"sgd"``, ``"sgd_momentum"``, ``"adam"``, ``"adamw"`` or a factory),
+            ``link_gbps``, ``tflops``.
+
+    Returns:
+        A ``Plan`` (see ``report.py`` for its time model).
+
+    Raises:
+        ValueError: bad settings (no batch, a ``replicate`` that does not divide
+            ``world_size``, an unknown optimizer).
+        TypeError: ``model`` is not a module or factory; ``shard_fn`` left the root
+            without ``fully_shard``.
+        RuntimeError: a default process group is already initialized.
+    """
+    return simulate(PlanSettings(model, world_size, batch, **settings))
+
+
+def replan(previous: Plan, **changes: Any) -> Plan:
+    """``previous``'s simulation again with some settings changed, e.g.
+    ``replan(p, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))``."""
+    assert previous.settings is not None
+    return simulate(dataclasses.replace(previous.settings, **changes))
+
+
+def simulate(settings: PlanSettings) -> Plan:
+    if dist.is_initialized():
+        raise RuntimeError(
+            "plan() needs its own fake process group, but a default process group is "
+            "already initialized (this is a real job): call plan() before "
+            "init_process_group(), or run `python -m dtensor_fsdp.plan` in a separate process"
+        )
+    start = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=settings.world_size)
+    try:
+        with warnings.catch_warnings():
+            # Our sharding compares data pointers, which fake tensors warn about.
+            warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
+            return _simulate_on_fake_group(settings, start)
+    finally:
+        dist.destroy_process_group()
+
+
+def _mesh(settings: PlanSettings) -> DeviceMesh:
+    if settings.replicate == 1:
+        return init_device_mesh("cpu", (settings.world_size,))
+    return init_device_mesh(
+        "cpu", (settings.replicate, settings.shard_size), mesh_dim_names=("replicate", "shard")
+    )
+
+
+@dataclasses.dataclass
+class _StepRecords:
+    """What the recorders saw of the last simulated step."""
+
+    tracker: PeakTracker
+    collectives: C10dCounter
+    trace: CommTrace
+    forward_flops: dict[str, int]  # FlopCounterMode's module name -> FLOPs, inclusive
+    backward_flops: dict[str, int]
+    sharded: dict[str, int]  # after the optimizer step, see _sharded_bytes
+
+
+def _simulate_on_fake_group(settings: PlanSettings, start: float) -> Plan:
+    model = settings.build_meta_model()
+    model_name = type(model).__name__  # before fully_shard renames the class
+    model_params = sum(p.numel() for p in model.parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    mesh = _mesh(settings)  # outside FakeTensorMode: the mesh holds real rank tensors
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        settings.shard_fn(
+            model, mesh=mesh, mp_policy=settings.mp_policy, offload_policy=settings.offload_policy
+        )
+        if not isinstance(model, FSDPModule):
+            raise TypeError(
+                f"shard_fn left the root {type(model).__name__} without fully_shard: "
+                "call fully_shard(model, ...) last, as the default shard_fn does"
+            )
+        step = _run_steps(model, settings)
+    groups = [
+        _group_plan(group, model, step, settings)
+        for state in model._fsdp_states(recurse=True)
+        for group in state.groups
+    ]
+    breakdown = step.tracker.peak_breakdown()
+    return Plan(
+        model=model_name,
+        world_size=settings.world_size,
+        replicate=settings.replicate,
+        optimizer=settings.optimizer_name,
+        param_dtype=str(settings.mp_policy.param_dtype or "unchanged").removeprefix("torch."),
+        reduce_dtype=str(settings.mp_policy.reduce_dtype or "unchanged").removeprefix("torch."),
+        offload=isinstance(settings.offload_policy, CPUOffloadPolicy),
+        link_gbps=settings.link_gbps,
+        tflops=settings.tflops,
+        model_params=model_params,
+        model_bytes=model_bytes,
+        sharded_param_bytes=step.sharded["params"],
+        sharded_grad_bytes=step.sharded["grads"],
+        optimizer_state_bytes=step.sharded["optimizer"],
+        peak_bytes=sum(breakdown.values()),
+        peak_breakdown=breakdown,
+        peak_module=step.tracker.peak_module,
+        peak_phase=step.tracker.peak_phase,
+        groups=groups,
+        collectives=step.collectives.totals(),
+        forward_flops=step.forward_flops.get("Global", 0),
+        backward_flops=step.backward_flops.get("Global", 0),
+        timeline=list(step.tracker.timeline),
+        planning_s=time.perf_counter() - start,
+        settings=settings,
+    )
+
+
+def _run_steps(model: FSDPModule, settings: PlanSettings) -> _StepRecords:
+    """Materialize the sharded model on fake tensors and train ``_STEPS`` steps; the
+    records are the last step's. The batch is made inside, so it is counted (as
+    MemTracker's activations), as a real job holds it too."""
+    trace = CommTrace()
+    model.set_comm_trace(trace)
+    counter = C10dCounter()
+    tracker = PeakTracker(type(model).__name__)
+    with tracker:
+        model.to_empty(device="cpu")
+        optimizer = settings.make_optimizer(model.parameters())
+        batch = settings.batch() if callable(settings.batch) else settings.batch
+        for _ in range(_STEPS):
+            tracker.reset_mod_stats()  # MemTracker refuses a second iteration otherwise
+            tracker.restart_peak()
+            trace.clear()
+            counter.records.clear()
+            with counter, FlopCounterMode(display=False) as flops:
+                loss = settings.loss_fn(model, batch)
+                forward = {k: sum(v.values()) for k, v in flops.flop_counts.items()}
+                loss.backward()
+                del loss
+                optimizer.step()
+            sharded = _sharded_bytes(tracker)
+            optimizer.zero_grad()
+    total = {k: sum(v.values()) for k, v in flops.get_flop_counts().items()}
+    backward = {k: total[k] - forward.get(k, 0) for k in total}
+    return _StepRecords(tracker, counter, trace, forward, backward, sharded)
+
+
+def _sharded_bytes(tracker: PeakTracker) -> dict[str, int]:
+    """Parameter shards, gradient shards and optimizer states live after the optimizer
+    step, by MemTracker's categories (nothing is unsharded then)."""
+    return {
+        "params": tracker.live_bytes("Parameter"),
+        "grads": tracker.live_bytes("Gradient"),
+        "optimizer": tracker.live_bytes("Optstate"),
+    }
+
+
+def _owned_flops(group: FSDPParamGroup, model: nn.Module, flops: dict[str, int]) -> int:
+    """FLOPs of ``group``'s modules without those of other groups nested in them.
+    ``flops`` is inclusive, keyed like FlopCounterMode ("Llama.layers.0")."""
+    names = {module: name for name, module in model.named_modules()}
+    root = type(model).__name__
+
+    def counted(module: nn.Module) -> int:
+        name = names[module]
+        return flops.get(f"{root}.{name}" if name else root, 0)
+
+    owned = 0
+    for module in group.modules:
+        owned += counted(module)
+        for sub in module.modules():
+            if sub is not module and isinstance(sub, FSDPModule) and _is_outermost(sub, module):
+                owned -= counted(sub)
+    return owned
+
+
+def _is_outermost(sub: nn.Module, top: nn.Module) -> bool:
+    """Whether no FSDP module lies strictly between ``top`` and ``sub``."""
+    for child in top.children():
+        if child is sub:
+            return True
+        if any(m is sub for m in child.modules()):
+            return not isinstance(child, FSDPModule) and _is_outermost(sub, child)
+    return False
+
+
+def _group_plan(
+    group: FSDPParamGroup, model: nn.Module, step: _StepRecords, settings: PlanSettings
+) -> GroupPlan:
+    collectives: dict[str, dict[str, int]] = {}
+    comm_s: dict[str, float] = {}
+    for event in step.trace.events:
+        if event.fqn != group.fqn:
+            continue
+        entry = collectives.setdefault(event.kind, {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += event.nbytes
+        seconds = event.wire_bytes * 8 / (settings.link_gbps * 1e9)
+        comm_s[event.phase] = comm_s.get(event.phase, 0.0) + seconds
+    return GroupPlan(
+        fqn=group.fqn,
+        params=sum(p.sharded_param.numel() for p in group.fsdp_params),
+        unsharded_bytes=group.mesh_info.shard_size
+        * sum(p.all_gather_nbytes for p in group.fsdp_params),
+        reshard_after_forward=group.reshard_after_forward,
+        collectives=collectives,
+        comm_s=comm_s,
+        forward_flops=_owned_flops(group, model, step.forward_flops),
+        backward_flops=_owned_flops(group, model, step.backward_flops),
+    )

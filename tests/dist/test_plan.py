@@ -1,0 +1,166 @@
+"""plan() against real gloo runs: the predicted peak within 5% of the one MemTracker
+measures in the same step, and the collectives counted at the c10d level equal, count
+and bytes, for ours and where the groups match for torch's ``fully_shard``.
+
+Why 5%: the simulation runs the same code on fake tensors, so the live bytes are the
+same program's; what may differ is only what fake tensors cannot know (e.g. a kernel
+that allocates a data-dependent workspace) or MemTracker categorizing a real run's
+step-1 leftovers differently. The issue's target is 5%; the measured gap here is 0.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from dtensor_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, plan
+from dtensor_fsdp.models.llama import Llama, LlamaConfig, cross_entropy_loss
+from tests._c10d import C10dRecorder
+from tests._harness import run_distributed, run_scenarios, scenario_records
+
+CONFIG = LlamaConfig.tiny()
+BATCH = (2, 33)  # (sequences per rank, tokens + 1)
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
+
+
+def _keep_last_block(model: nn.Module, **kwargs: Any) -> None:
+    """Every block resharded after forward but the last; then the root."""
+    for i, block in enumerate(model.layers):
+        fully_shard(block, reshard_after_forward=i < len(model.layers) - 1, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def _per_block(shard: Callable[..., Any]) -> Callable[..., None]:
+    def apply(model: nn.Module, **kwargs: Any) -> None:
+        for block in model.layers:
+            shard(block, **kwargs)
+        shard(model, **kwargs)
+
+    return apply
+
+
+# name -> (world size, plan() settings); torch_fp32 is ours' fp32 plan, run by torch.
+SCENARIOS: dict[str, tuple[int, dict[str, Any]]] = {
+    "fp32": (2, {}),
+    "bf16": (2, {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}),
+    "last_block_kept": (2, {"shard_fn": _keep_last_block}),
+    "offload": (2, {"offload_policy": CPUOffloadPolicy(pin_memory=False)}),
+    "hsdp_2x2": (4, {"replicate": 2}),
+}
+
+
+def _measure(settings: dict[str, Any], shard: Callable[..., Any]) -> tuple[int, list]:
+    """Step 2's peak of live bytes (MemTracker, restarted at the step's start, as the
+    benchmarks do) and its c10d collectives, on this real rank."""
+    world = torch.distributed.get_world_size()
+    replicate = settings.get("replicate", 1)
+    mesh = (
+        init_device_mesh("cpu", (world,))
+        if replicate == 1
+        else init_device_mesh("cpu", (replicate, world // replicate), mesh_dim_names=("r", "s"))
+    )
+    torch.manual_seed(0)
+    model = Llama(CONFIG)
+    settings.get("shard_fn", _per_block(shard))(
+        model,
+        mesh=mesh,
+        mp_policy=settings.get("mp_policy", MixedPrecisionPolicy()),
+        offload_policy=settings.get("offload_policy", OffloadPolicy()),
+    )
+    tokens = torch.randint(0, CONFIG.vocab_size, BATCH)
+    with MemTracker() as tracker:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            tracker.reset_mod_stats()
+            # MemTracker has no public reset: the two fields its __enter__ sets.
+            tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
+            tracker._peak_mem = {d: s["Total"] for d, s in tracker._peak_mem_snap.items()}
+            recorder = C10dRecorder()
+            with recorder:
+                _loss(model, tokens).backward()
+                optimizer.step()
+            optimizer.zero_grad()
+        peak = tracker.get_tracker_snapshot("peak")
+    return sum(s["Total"] for d, s in peak.items() if d.type == "cpu"), recorder.records
+
+
+def _run(rank: int, world_size: int) -> dict[str, tuple[str, Any]]:
+    cases = {
+        name: (lambda s=settings: _measure(s, fully_shard))
+        for name, (world, settings) in SCENARIOS.items()
+        if world == world_size
+    }
+    if world_size == 2:
+        cases["torch_fp32"] = lambda: _measure({}, torch_fully_shard)
+    return run_scenarios(cases)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, list]:
+    return {world: run_distributed(_run, world) for world in (2, 4)}
+
+
+def _plan(name: str):
+    world, settings = SCENARIOS[name]
+    return plan(
+        lambda: Llama(CONFIG),
+        world_size=world,
+        batch=lambda: torch.randint(0, CONFIG.vocab_size, BATCH),
+        loss_fn=_loss,
+        **settings,
+    )
+
+
+def _totals(records: list[tuple[str, int]]) -> dict[str, dict[str, int]]:
+    """``{kind: {"count", "bytes"}}``. On gloo ours sends each reduce-scatter as an
+    all-to-all of the same buffer plus a local sum (gloo's reduce-scatter is an
+    all-reduce, see TORCH_NOTES.md); the plan, on the fake backend, predicts the
+    reduce-scatter an NCCL job sends: one all-to-all here is one planned reduce-scatter."""
+    out: dict[str, dict[str, int]] = {}
+    for kind, size in records:
+        kind = "reduce_scatter" if kind == "all_to_all" else kind
+        entry = out.setdefault(kind, {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += size
+    return out
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_plan_matches_real_run(runs: dict[int, list], name: str) -> None:
+    world, _ = SCENARIOS[name]
+    measured = scenario_records(runs[world], name)
+    predicted = _plan(name)
+    for rank, (peak, records) in enumerate(measured):
+        print(f"{name} rank {rank}: predicted/measured peak {predicted.peak_bytes / peak:.4f}")
+        assert abs(predicted.peak_bytes / peak - 1) <= 0.05, (
+            name,
+            rank,
+            predicted.peak_bytes,
+            peak,
+        )
+        assert predicted.collectives == _totals(records), (name, rank)
+    # The per-group figures (ours' trace) add up to the c10d count.
+    for kind, entry in predicted.collectives.items():
+        assert (
+            sum(g.collectives.get(kind, {}).get("count", 0) for g in predicted.groups)
+            == entry["count"]
+        )
+        assert (
+            sum(g.collectives.get(kind, {}).get("bytes", 0) for g in predicted.groups)
+            == entry["bytes"]
+        )
+
+
+def test_plan_matches_torch_fully_shard(runs: dict[int, list]) -> None:
+    """The same groups under torch's fully_shard send what ours' plan predicts."""
+    predicted = _plan("fp32")
+    for _, records in scenario_records(runs[2], "torch_fp32"):
+        assert predicted.collectives == _totals(records)
