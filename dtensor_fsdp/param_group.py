@@ -72,6 +72,12 @@ class AllGatherSource:
     wire: WireLayout | None = None
 
 
+def is_in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (torch's
+    ``is_bw``)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class TrainingState(Enum):
     """Where a group is in the iteration."""
 
@@ -528,10 +534,13 @@ class FSDPParamGroup:
         if len(self._forwarded_modules) < len(self.modules):
             return
         self._forwarded_modules.clear()
-        if self.reshard_after_forward and self.post_forward_mesh_info is not None:
-            self._reshard_post_forward(self.post_forward_mesh_info)
-        elif self.reshard_after_forward:
-            self.reshard()
+        # A forward recomputed inside backward (reentrant checkpointing reruns it before
+        # this group's pre-backward) keeps the params: its backward comes next, as torch.
+        if self.reshard_after_forward and not is_in_backward():
+            if self.post_forward_mesh_info is not None:
+                self._reshard_post_forward(self.post_forward_mesh_info)
+            else:
+                self.reshard()
         self.training_state = TrainingState.IDLE
 
     def _reshard_post_forward(self, post_forward: MeshInfo) -> None:

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .api import MixedPrecisionPolicy
 from .consistency import CollectiveCheck
 from .param import FSDPParam
-from .param_group import FSDPParamGroup, TrainingState
+from .param_group import FSDPParamGroup, TrainingState, is_in_backward
 from .scheduler import CommContext
 from .streams import CommStreams, streams_for
 
@@ -215,7 +215,8 @@ class FSDPState:
             return output
         for group in self.groups:
             group.post_forward(module)
-        self.ctx.record_post_forward(self.groups)
+        if not is_in_backward():  # a recompute is not a forward of this iteration
+            self.ctx.record_post_forward(self.groups)
         return self._register_pre_backward(output)
 
     @_run_eagerly

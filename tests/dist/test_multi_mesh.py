@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import checkpoint
 
 from dtensor_fsdp import fully_shard as fully_shard_ours
 from tests._c10d import C10dRecorder
@@ -61,11 +62,14 @@ class Model(nn.Module):
         self.embed = nn.Linear(DIM, DIM)
         self.blocks = nn.ModuleList(Block() for _ in range(3))
         self.head = nn.Linear(DIM, 3)
+        # checkpoint(block) with reentrant checkpointing, which reruns each sharded
+        # block's forward inside backward, before the block's pre-backward.
+        self.reentrant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=True) if self.reentrant else block(x)
         return self.head(x)
 
 
@@ -81,6 +85,7 @@ def _shard(
     sum_reduction: bool = False,
     empty_backward_prefetch: bool = False,
     root_reshards: bool = False,
+    reentrant: bool = False,
 ) -> Model:
     """torchtitan's per-parameter mesh: experts on ``efsdp``, the rest on ``dp``, both
     through ``ShardPlacementResult`` with torch's mesh-info objects."""
@@ -102,6 +107,7 @@ def _shard(
             block.set_modules_to_forward_prefetch([after])
         for block, before in zip(blocks[1:], blocks):
             block.set_modules_to_backward_prefetch([before])
+    model.reentrant = reentrant
     if empty_backward_prefetch:  # an empty list: the implicit prefetch, as torch's
         for block in model.blocks:
             block.set_modules_to_backward_prefetch([])
@@ -256,6 +262,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
         "sum_reduction": lambda: _train(rank, dp, efsdp, sum_reduction=True),
         "empty_backward_prefetch": lambda: _train(rank, dp, efsdp, empty_backward_prefetch=True),
         "root_reshards": lambda: _train(rank, dp, efsdp, root_reshards=True),
+        "reentrant_checkpoint": lambda: _train(rank, dp, efsdp, reentrant=True),
         "in_flight": lambda: _reduce_scatters_in_flight(dp, efsdp),
         "unshard_state_dict": lambda: _unshard_and_state_dict(dp, efsdp),
     })
@@ -268,7 +275,7 @@ def run() -> list[dict[str, Any]]:
 
 TRAINING = [
     "implicit", "shard1_experts", "explicit_prefetch", "keep_after_forward", "hpz",
-    "sum_reduction", "empty_backward_prefetch", "root_reshards",
+    "sum_reduction", "empty_backward_prefetch", "root_reshards", "reentrant_checkpoint",
 ]
 
 
