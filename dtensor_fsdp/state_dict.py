@@ -253,7 +253,10 @@ def save_full_state_dict(module: nn.Module, path: str, *, format: str = "safeten
 
     Every rank must call it: each tensor is all-gathered, one at a time. The file
     appears atomically (written to ``path.tmp``, then renamed): a crash mid-write leaves
-    no file at ``path``.
+    no file at ``path``. If rank 0 cannot write (a full disk, a missing directory), it
+    keeps joining the gathers, removes ``path.tmp``, and every rank raises the same
+    ``RuntimeError`` once the last tensor is gathered: no rank waits for a rank that
+    failed.
 
     Args:
         module: the (fully-sharded) module.
@@ -268,34 +271,85 @@ def save_full_state_dict(module: nn.Module, path: str, *, format: str = "safeten
         ValueError: a bad ``format``; with ``"safetensors"``, a state-dict value that is
             not a tensor or of a dtype safetensors cannot hold (named, on every rank,
             before anything is gathered or written).
+        RuntimeError: writing failed on rank 0 (on every rank, naming rank 0's error;
+            chained to it on rank 0).
     """
     if format not in ("safetensors", "torch"):
         raise ValueError(
             f"save_full_state_dict: format must be 'safetensors' or 'torch', got {format!r}"
         )
     state_dict = module.state_dict()
-    is_writer = not dist.is_initialized() or dist.get_rank() == 0
-    temporary = f"{path}.tmp"
+    header = plan_header(state_dict) if format == "safetensors" else None
+    writer = _Writer(f"{path}.tmp", is_writer=not dist.is_initialized() or dist.get_rank() == 0)
     if format == "torch":
-        full = {key: _gathered(value, is_writer) for key, value in state_dict.items()}
-        if is_writer:
-            torch.save(full, temporary)
+        full = {key: _gathered(value, writer.ok) for key, value in state_dict.items()}
+        writer.run(torch.save, full, writer.temporary)
     else:
-        header = plan_header(state_dict)
-        with open(temporary, "wb") if is_writer else contextlib.nullcontext() as file:
-            if file is not None:
-                file.write(encode_header(header))
-            for value in state_dict.values():
-                full = _gathered(value, file is not None)
-                if file is not None:
-                    write_tensor(file, full)
-                del full  # before the next gather: one full tensor at a time
-        if is_writer:
-            check_written(temporary, header)
-    if is_writer:
-        os.replace(temporary, path)
-    if dist.is_initialized():
-        dist.barrier()
+        writer.open(encode_header(header))
+        for value in state_dict.values():
+            full = _gathered(value, writer.ok)
+            writer.run(write_tensor, writer.file, full)
+            del full  # before the next gather: one full tensor at a time
+        writer.close()
+        writer.run(check_written, writer.temporary, header)
+    writer.run(os.replace, writer.temporary, path)
+    writer.agree(path)
+
+
+class _Writer:
+    """Rank 0's file work in ``save_full_state_dict``: after its first failure it does
+    nothing more (the rank still joins every gather), and ``agree`` tells every rank."""
+
+    def __init__(self, temporary: str, is_writer: bool) -> None:
+        self.temporary = temporary
+        self.is_writer = is_writer
+        self.file: Any = None
+        self.error: Exception | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether this rank writes and nothing failed: it keeps the gathered tensors."""
+        return self.is_writer and self.error is None
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> None:
+        if not self.ok:
+            return
+        try:
+            fn(*args)
+        except Exception as error:  # noqa: BLE001 - every rank must hear of it (agree)
+            self.error = error
+
+    def open(self, header: bytes) -> None:
+        def start() -> None:
+            self.file = open(self.temporary, "wb")  # noqa: SIM115 - closed by close()
+            self.file.write(header)
+
+        self.run(start)
+
+    def close(self) -> None:
+        if self.file is not None:
+            file, self.file = self.file, None
+            self.run(file.close)
+            file.close()  # idempotent; after a failed write it was never closed
+
+    def agree(self, path: str) -> None:
+        """Every rank learns rank 0's outcome (one small collective, which also keeps
+        them together as a barrier); on a failure the temporary file is removed and
+        every rank raises."""
+        self.close()
+        if self.error is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self.temporary)
+        outcome = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
+        if dist.is_initialized():
+            outcomes: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(outcomes, outcome)
+            outcome = outcomes[0]
+        if outcome is not None:
+            raise RuntimeError(
+                f"save_full_state_dict: writing {path} failed on rank 0: {outcome}; "
+                "nothing was written at that path"
+            ) from self.error
 
 
 def _gathered(value: torch.Tensor, keep: bool) -> torch.Tensor | None:

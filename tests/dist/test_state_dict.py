@@ -232,6 +232,44 @@ def _scenario_export_rejects_dtype(path: str) -> dict:
     return {"error": error, "exists": [os.path.exists(path), os.path.exists(path + ".tmp")]}
 
 
+def _scenario_export_fails_on_rank0(tmp: str) -> dict:
+    """Rank 0 cannot write (a missing directory; a write failing mid-file): every rank
+    raises the same error once the gathers are done, instead of waiting forever in the
+    next gather for a rank that raised."""
+    import dtensor_fsdp.state_dict as state_dict_module
+
+    run = _shard("fsdp")
+    cases = {
+        "missing_dir": (os.path.join(tmp, "no_such_dir", "model.safetensors"), "safetensors"),
+        "missing_dir_torch": (os.path.join(tmp, "no_such_dir", "model.pt"), "torch"),
+        "disk_full": (os.path.join(tmp, "full", "model.safetensors"), "safetensors"),
+    }
+    os.makedirs(os.path.join(tmp, "full"), exist_ok=True)
+    real_write, writes = state_dict_module.write_tensor, []
+
+    def failing_write(file: object, tensor: torch.Tensor) -> None:
+        writes.append(1)
+        if len(writes) == 2:
+            raise OSError(28, "No space left on device")
+        real_write(file, tensor)
+
+    out: dict[str, object] = {}
+    for name, (path, format) in cases.items():
+        if name == "disk_full":
+            state_dict_module.write_tensor = failing_write
+        try:
+            save_full_state_dict(run.model, path, format=format)
+            out[name] = "no error"
+        except RuntimeError as exc:
+            out[name] = str(exc)
+        finally:
+            state_dict_module.write_tensor = real_write
+        out[name + "_left"] = sorted(os.listdir(os.path.dirname(path))) if os.path.isdir(
+            os.path.dirname(path)
+        ) else []
+    return out
+
+
 def _bad_state_dicts(good: dict[str, torch.Tensor]) -> dict[str, tuple[dict, list[str]]]:
     """name -> (state dict, strings the error must contain)."""
     first, second = "tok_embeddings.weight", "layers.0.attention.wq.weight"
@@ -317,6 +355,9 @@ def _state_dict_worker(rank: int, world_size: int, tmp: str) -> dict:
                 os.path.join(tmp, "rejected.safetensors")
             ),
             "bad_input": _scenario_bad_input,
+            "export_fails_on_rank0": lambda: _scenario_export_fails_on_rank0(
+                os.path.join(tmp, "failing")
+            ),
         }
     )
 
@@ -438,6 +479,17 @@ def test_save_full_state_dict_unsupported_dtype_writes_nothing(state_dict_run: l
     for rec in scenario_records(state_dict_run, "export_rejects_dtype"):
         assert rec["error"] is not None and "phase" in rec["error"] and "complex128" in rec["error"]
         assert rec["exists"] == [False, False]
+
+
+def test_save_full_state_dict_failure_on_rank0_raises_on_every_rank(state_dict_run: list[dict]) -> None:
+    for rank, rec in enumerate(scenario_records(state_dict_run, "export_fails_on_rank0")):
+        for name, kind in (
+            ("missing_dir", "FileNotFoundError"),
+            ("missing_dir_torch", "does not exist"),  # torch.save's own RuntimeError
+            ("disk_full", "No space left on device"),
+        ):
+            assert "failed on rank 0" in rec[name] and kind in rec[name], (rank, name, rec[name])
+        assert rec["disk_full_left"] == []  # the temporary file is removed
 
 
 @pytest.mark.parametrize("case", ["missing", "unexpected", "shape", "other_model"])
