@@ -148,3 +148,35 @@ def test_nan_values_load(form: str) -> None:
         floats = {k: v for k, v in state.items() if v.is_floating_point()}
         assert floats and all(v.isnan().all() for v in floats.values()), name
         assert state["1.num_batches_tracked"].item() == 7, name
+
+
+def test_load_with_assign_keeps_the_registered_parameters_for_the_optimizer() -> None:
+    # load_state_dict(assign=True): both FSDPs train on the loaded values; torch
+    # registers new Parameter objects, so an optimizer built before the load steps
+    # parameters the model no longer uses; ours copies into the registered sharded
+    # params, which stay the same objects (README, differences).
+    with fake_mesh(2) as mesh:
+        registered = {}
+        for name, impl in (("torch", torch_fully_shard), ("ours", fully_shard)):
+            model = _model(impl, mesh)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            before = dict(model.named_parameters())
+            model.load_state_dict(_sharded_like(model, 0.5), assign=True)
+            after = dict(model.named_parameters())
+            assert all(
+                torch.equal(_local(p), torch.full_like(_local(p), 0.5)) for p in after.values()
+            ), name
+            assert all(isinstance(p, nn.Parameter) and p.requires_grad for p in after.values())
+            model(torch.randn(3, 4)).sum().backward()
+            in_optimizer = {id(p) for p in optimizer.param_groups[0]["params"]}
+            registered[name] = {
+                "same objects": [after[k] is before[k] for k in after],
+                "optimizer steps them": [id(p) in in_optimizer for p in after.values()],
+                "grads": [p.grad is not None for p in after.values()],
+            }
+        n = len(registered["ours"]["grads"])
+        assert registered["ours"] == {
+            "same objects": [True] * n, "optimizer steps them": [True] * n, "grads": [True] * n,
+        }
+        assert registered["torch"]["optimizer steps them"] == [False] * n
+        assert registered["torch"]["grads"] == [True] * n
