@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from dtensor_fsdp import AutoPlan, auto_shard, fully_shard
+from dtensor_fsdp.models.block_stack import BlockStack
 from dtensor_fsdp.plan.auto import AutoGroup, apply_calls
-from tests._blocks import BlockStack
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dtensor_fsdp import AutoPlan, auto_shard
-from tests._blocks import BlockStack
+from dtensor_fsdp.models.block_stack import BlockStack
 
 N_BLOCKS, DIM, BATCH = 8, 16, 8
 

@@ -1,5 +1,6 @@
-"""A model of many small modules, for the automatic-grouping tests: ``n`` residual
-blocks of two ``Linear(d, d)``, then a ``LayerNorm`` and a ``Linear`` head in the root."""
+"""A model of many small modules, for automatic grouping's tests and benchmark
+(``auto_shard``): ``n`` residual blocks of two ``Linear(d, d)``, then a ``LayerNorm``
+and a ``Linear`` head, which stay in the root's group."""
 
 import torch
 from torch import nn
