@@ -136,8 +136,14 @@ class AutoPlan:
 
 
 def _call_target(fqns: tuple[str, ...]) -> str:
-    """The modules as Python: ``blocks.0`` is ``model.blocks[0]``."""
+    """The modules as Python: ``blocks.0`` is ``model.blocks[0]``; a run of siblings
+    ``blocks.0`` .. ``blocks.7`` is ``list(model.blocks[0:8])``."""
     names = [re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", f"model.{f}") for f in fqns]
+    parent, _, first = fqns[0].rpartition(".")
+    if len(fqns) > 1 and first.isdigit():
+        end = int(first) + len(fqns)
+        if list(fqns) == [f"{parent}.{i}" for i in range(int(first), end)]:
+            return f"list({names[0].rpartition('[')[0]}[{first}:{end}])"
     return names[0] if len(names) == 1 else f"[{', '.join(names)}]"
 
 
