@@ -112,6 +112,8 @@ def plan_kwargs(case: Case) -> dict[str, Any]:
 class Measured:
     peak_bytes: int
     """Step 2's peak of live bytes on this rank (MemTracker, as bench_train.py)."""
+    peak_breakdown: dict[str, int]
+    """The peak's bytes per MemTracker category, as ``Plan.peak_breakdown``."""
     collectives: dict[str, dict[str, int]]
     """Step 2's c10d collectives, ``{kind: {"count", "bytes"}}`` as ``Plan.collectives``."""
 
@@ -144,8 +146,15 @@ def measure(case: Case) -> Measured:
                 kwargs["loss_fn"](model, batch).backward()
                 optimizer.step()
             optimizer.zero_grad()
-        peak = total_bytes(tracker.get_tracker_snapshot("peak"))
-    return Measured(peak, c10d_totals(recorder.records))
+        peak = tracker.get_tracker_snapshot("peak")
+    breakdown: dict[str, int] = {}
+    for device, snapshot in peak.items():
+        for category, nbytes in snapshot.items():
+            if device.type == "cpu" and category != "Total":
+                # MemTracker's keys are its private _MemRefType enum: by name.
+                name = getattr(category, "value", category)
+                breakdown[name] = breakdown.get(name, 0) + nbytes
+    return Measured(total_bytes(peak), breakdown, c10d_totals(recorder.records))
 
 
 def _mesh(replicate: int) -> DeviceMesh:

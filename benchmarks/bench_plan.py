@@ -74,6 +74,18 @@ class RealRow:
     def ratios(self) -> list[float]:
         return [self.predicted.peak_bytes / m.peak_bytes for m in self.measured]
 
+    def differences(self) -> str:
+        """Where the largest measured peak and the prediction differ, by MemTracker
+        category (measured minus predicted), e.g. "Temp +384.5 KiB"."""
+        measured = max(self.measured, key=lambda m: m.peak_bytes).peak_breakdown
+        predicted = self.predicted.peak_breakdown
+        parts = [
+            f"{name} {(measured.get(name, 0) - predicted.get(name, 0)) / 2**10:+.1f} KiB"
+            for name in sorted(set(measured) | set(predicted))
+            if measured.get(name, 0) != predicted.get(name, 0)
+        ]
+        return ", ".join(parts) or "none"
+
     @property
     def collectives_equal(self) -> bool:
         return all(self.predicted.collectives == m.collectives for m in self.measured)
@@ -104,7 +116,7 @@ def print_real(rows: list[RealRow]) -> None:
     print("1. predicted vs measured | real gloo ranks, CPU | step 2 | AdamW | MemTracker")
     header = (
         f"{'config':<30} {'predicted MiB':>13} {'measured MiB':>13} {'pred/meas':>13} "
-        f"{'collectives equal':>17}"
+        f"{'collectives equal':>17}  peak differs in (measured - predicted)"
     )
     print(header + "\n" + "-" * len(header))
     for row in rows:
@@ -113,7 +125,7 @@ def print_real(rows: list[RealRow]) -> None:
         measured = max(m.peak_bytes for m in row.measured)
         print(
             f"{row.case.name:<30} {row.predicted.peak_bytes / MiB:>13.3f} "
-            f"{measured / MiB:>13.3f} {ratio:>13} {'yes' if row.collectives_equal else 'NO':>17}"
+            f"{measured / MiB:>13.3f} {ratio:>13} {'yes' if row.collectives_equal else 'NO':>17}  {row.differences()}"
         )
     print(
         "measured: the largest over ranks; pred/meas: over every rank; collectives: "
