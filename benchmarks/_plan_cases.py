@@ -16,6 +16,7 @@ from bench_train import C10dRecorder, reset_peak, total_bytes  # same directory
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dtensor_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from dtensor_fsdp.models.llama import PRESETS, Llama, cross_entropy_loss
@@ -155,6 +156,19 @@ def measure(case: Case) -> Measured:
                 name = getattr(category, "value", category)
                 breakdown[name] = breakdown.get(name, 0) + nbytes
     return Measured(total_bytes(peak), breakdown, c10d_totals(recorder.records))
+
+
+def measure_on_fake_group(case: Case) -> Measured:
+    """``measure`` as rank 0 of torch's fake process group, in this process: real
+    tensors and arithmetic, collectives that move nothing. Ours then issues the
+    reduce-scatter an NCCL job does (on gloo it is an all-to-all, with a receive buffer
+    as large as its input), which is what ``plan()`` simulates: this isolates what fake
+    tensors get wrong from what gloo adds."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case.world_size)
+    try:
+        return measure(case)
+    finally:
+        dist.destroy_process_group()
 
 
 def _mesh(replicate: int) -> DeviceMesh:
