@@ -26,7 +26,7 @@ from .fsdp_module import FSDPModule, UnshardHandle
 from .fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from .init import init_unsharded
 from .optim import Muon, clip_grad_norm_, get_total_norm, split_muon_params, step_on_local_shards
-from .plan import Plan, plan
+from .plan import AutoPlan, Plan, auto_shard, plan
 from .state_dict import load_full_state_dict, save_full_state_dict
 from .trace import CommEvent, CommTrace, DeviceTiming, LifecycleEvent
 
@@ -45,9 +45,11 @@ __all__ = [
     "Muon",
     "NonFiniteGradError",
     "OffloadPolicy",
+    "AutoPlan",
     "Plan",
     "ReduceScatter",
     "UnshardHandle",
+    "auto_shard",
     "clip_grad_norm_",
     "fully_shard",
     "get_total_norm",

@@ -194,10 +194,15 @@ class FSDPState:
             args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
         if not self.groups:
             return args, kwargs
+        # fully_shard([a, b]): as torch's group hooks, the first module's forward starts
+        # the group and only its inputs carry the post-backward. A later module's inputs
+        # would fire it while the earlier modules still compute grads (b's input grads
+        # come before a's), and reshard and reduce-scatter the group twice.
+        starts_group = any(g.training_state != TrainingState.FORWARD for g in self.groups)
         for group in self.groups:
             group.pre_forward()
         self.ctx.prefetch_forward([g for s in self.forward_prefetch for g in s.groups])
-        return self._register_post_backward(args, kwargs)
+        return self._register_post_backward(args, kwargs) if starts_group else (args, kwargs)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         assert self.ctx is not None

@@ -27,15 +27,20 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
 }
 
 
+def largest_module_list(model: nn.Module) -> nn.ModuleList | None:
+    """The model's largest ``nn.ModuleList`` by parameter count (a transformer's
+    blocks), or ``None`` without one."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+
+
 def shard_largest_module_list(model: nn.Module, **fully_shard_kwargs: Any) -> None:
     """The default grouping, as ``train.py``'s: ``fully_shard`` on each direct child of
     the model's largest ``nn.ModuleList`` (by parameter count; a transformer's blocks),
     then on the root. A model without a ``ModuleList`` becomes one group."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if lists:
-        largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-        for child in largest:
-            fully_shard(child, **fully_shard_kwargs)
+    largest = largest_module_list(model)
+    for child in largest if largest is not None else ():
+        fully_shard(child, **fully_shard_kwargs)
     fully_shard(model, **fully_shard_kwargs)
 
 
