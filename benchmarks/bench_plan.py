@@ -1,8 +1,8 @@
 """How good is ``dtensor_fsdp.plan``: its predictions against real gloo runs and the
 fake-tensor step of ``scale_sim.py``, its planning time, and auto groups.
 
-    python benchmarks/bench_plan.py            # ~8 min on 2 cores
-    python benchmarks/bench_plan.py --quick    # ~2 min: a subset of each part
+    python benchmarks/bench_plan.py            # ~5 min on 2 cores
+    python benchmarks/bench_plan.py --quick    # ~1.2 min: a subset of each part
 
 One launch, one process (the gloo ranks are spawned from it, W=2 and W=4):
 
@@ -10,7 +10,9 @@ One launch, one process (the gloo ranks are spawned from it, W=2 and W=4):
    small, torch's ``nn.TransformerEncoder``; fp32, bf16 params with fp32 reduction,
    last block not resharded, CPU offload, HSDP 2x2) is planned here, then trained on
    real gloo ranks: step 2's peak of live bytes (MemTracker, as ``bench_train.py``) and
-   its collectives at the c10d level, against the plan's peak and collectives.
+   its collectives at the c10d level, against the plan's peak and collectives; and the
+   same step on real tensors on the fake process group (ours' NCCL path, as the plan
+   simulates it), which separates what fake tensors get wrong from what gloo adds.
 2. Against ``scale_sim.step_peak``: the plan (the CLI's: 3 and 4 blocks simulated and
    composed) against a whole fake-tensor step of every block, fp32 AdamW.
 3. Planning time of Llama-3 8B, 70B and 405B at W=1024 and 4096 (bf16, 1 x 2048 tokens).
@@ -67,6 +69,8 @@ def parse_args() -> argparse.Namespace:
 
 @dataclasses.dataclass(frozen=True)
 class RealRow:
+    """One configuration of part 1: the plan and what was measured."""
+
     case: Case
     predicted: Plan
     measured: list[Measured]  # by rank
