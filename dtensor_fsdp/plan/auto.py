@@ -31,6 +31,7 @@ The choice is greedy and predicted from one simulated plan, then confirmed by on
 import dataclasses
 import functools
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +42,13 @@ from .report import MiB, Plan
 from .settings import PlanSettings, largest_module_list
 from .simulate import simulate
 
+# Unsharded copies of a group alive at once in backward: its params, the next group's
+# (prefetched) and its unsharded grads (see step 2 above).
 _MERGE_COPIES = 3
+# Groups kept at least, so that all but one all-gather and one reduce-scatter overlap
+# another group's compute (step 2 above).
 _MIN_GROUPS = 4
+# Simulations in all, the baseline's included: each costs seconds on a large model.
 _MAX_SIMULATIONS = 4
 
 
@@ -130,7 +136,14 @@ class AutoPlan:
 
 
 def _call_target(fqns: tuple[str, ...]) -> str:
-    names = [f"model.{f}" for f in fqns]
+    """The modules as Python: ``blocks.0`` is ``model.blocks[0]``; a run of siblings
+    ``blocks.0`` .. ``blocks.7`` is ``list(model.blocks[0:8])``."""
+    names = [re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", f"model.{f}") for f in fqns]
+    parent, _, first = fqns[0].rpartition(".")
+    if len(fqns) > 1 and first.isdigit():
+        end = int(first) + len(fqns)
+        if list(fqns) == [f"{parent}.{i}" for i in range(int(first), end)]:
+            return f"list({names[0].rpartition('[')[0]}[{first}:{end}])"
     return names[0] if len(names) == 1 else f"[{', '.join(names)}]"
 
 
@@ -252,17 +265,19 @@ class _Predictor:
         kept = [g for g in calls if not g.reshard_after_forward]
         if kept and not timeline:
             highest += sum(self.group_bytes(g) for g in kept)
+        spans = [
+            (
+                _first(timeline, g.fqns[-1], "post_forward"),
+                _first(timeline, g.fqns[0], "post_backward"),
+                self.group_bytes(g),
+            )
+            for g in kept
+        ]
         for t, point in enumerate(timeline):
-            held = sum(self.group_bytes(g) for g in kept if self._holds(g, t))
+            held = sum(nbytes for start, end, nbytes in spans if start <= t < end)
             highest = max(highest, point.live_bytes + held)
         slack = max(0, self.baseline.peak_bytes - base)
         return max(self.baseline.peak_bytes, highest + slack) + self.merge_extra(calls)
-
-    def _holds(self, group: AutoGroup, t: int) -> bool:
-        timeline = self.baseline.timeline
-        start = _first(timeline, group.fqns[-1], "post_forward")
-        end = _first(timeline, group.fqns[0], "post_backward")
-        return start <= t < end
 
 
 def _first(timeline: list, fqn: str, event: str) -> int:

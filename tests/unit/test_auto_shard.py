@@ -78,7 +78,7 @@ def test_every_choice_explained(roomy: AutoPlan) -> None:
     text = str(roomy)
     for head in ("blocks:", "merge:", "reshard_after_forward=False for", "root:", "prefetch:"):
         assert head in text
-    assert "fully_shard([model.blocks.0, model.blocks.1], reshard_after_forward=False)" in text
+    assert "fully_shard(list(model.blocks[0:2]), reshard_after_forward=False)" in text
     out = json.loads(roomy.to_json())
     assert out["explanations"] == list(roomy.explanations)
     assert out["groups"][0] == {
