@@ -39,14 +39,16 @@ def run_ranks(fn: Callable[[], Any], world_size: int, timeout_s: float = 600.0) 
         for proc in procs:
             proc.start()
         outcomes = _wait_for_results(procs, folder, timeout_s)
+        # A failed rank first: the others are then only blocked, waiting for it.
+        for rank, outcome in enumerate(outcomes):
+            if outcome is not None and not outcome[0]:
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{outcome[1]}")
         for rank, outcome in enumerate(outcomes):
             if outcome is None:
                 raise RuntimeError(
                     f"rank {rank} of {world_size} left no result within {timeout_s:.0f} s "
                     f"(exit code {procs[rank].exitcode}; see its stderr)"
                 )
-            if not outcome[0]:
-                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{outcome[1]}")
         return [value for _, value in outcomes]
     finally:
         for proc in procs:
