@@ -178,26 +178,16 @@ def _layouts(models: dict[str, Model]) -> dict[str, Any]:
     return out
 
 
-class _Counting(list):
-    """A queue of in-flight reduce-scatters that records its length after each issue."""
+def _counting(queue_type: type, lengths: list[int]) -> Any:
+    """An empty queue of ``queue_type`` (each library's queue of in-flight
+    reduce-scatters) that records its length after each issue into ``lengths``."""
 
-    def __init__(self, lengths: list[int]) -> None:
-        super().__init__()
-        self.lengths = lengths
+    class Counting(queue_type):  # type: ignore[misc, valid-type]
+        def append(self, item: Any) -> None:
+            super().append(item)
+            lengths.append(len(self))
 
-    def append(self, item: Any) -> None:
-        super().append(item)
-        self.lengths.append(len(self))
-
-
-class _CountingDeque(deque):
-    def __init__(self, lengths: list[int]) -> None:
-        super().__init__()
-        self.lengths = lengths
-
-    def append(self, item: Any) -> None:
-        super().append(item)
-        self.lengths.append(len(self))
+    return Counting()
 
 
 def _reduce_scatters_in_flight(dp: DeviceMesh, efsdp: DeviceMesh) -> dict[str, list[int]]:
@@ -212,9 +202,9 @@ def _reduce_scatters_in_flight(dp: DeviceMesh, efsdp: DeviceMesh) -> dict[str, l
         loss = model(torch.randn(BATCH, DIM)).sum()  # lazy init has run
         out[name] = []
         if name == "ours":
-            model._get_fsdp_state().ctx._pending_reduce_scatters = _CountingDeque(out[name])
+            model._get_fsdp_state().ctx._pending_reduce_scatters = _counting(deque, out[name])
         else:
-            torch_fully_shard.state(model)._comm_ctx.reduce_scatter_states = _Counting(out[name])
+            torch_fully_shard.state(model)._comm_ctx.reduce_scatter_states = _counting(list, out[name])
         loss.backward()
     return out
 
