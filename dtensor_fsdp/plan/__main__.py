@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--link-gbps", type=float, default=400.0, help="per-rank link, Gbit/s")
     parser.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per rank")
+    parser.add_argument(
+        "--backend", choices=("nccl", "gloo"), default="nccl", help="the job's collectives"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     parser.add_argument("--whole", action="store_true", help="simulate every block (slow)")
     args = parser.parse_args(argv)
@@ -90,6 +93,7 @@ def _plan_config(config: LlamaConfig, args: argparse.Namespace) -> Plan:
         "optimizer": args.optimizer,
         "link_gbps": args.link_gbps,
         "tflops": args.tflops,
+        "backend": args.backend,
     }
     return plan(
         lambda: Llama(config),

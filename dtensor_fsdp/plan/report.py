@@ -60,6 +60,8 @@ class Plan:
     param_dtype: str
     reduce_dtype: str
     offload: bool
+    backend: str
+    """The collectives' backend simulated (``PlanSettings.backend``)."""
     link_gbps: float
     tflops: float
     model_params: int
@@ -151,7 +153,8 @@ class Plan:
                 f"plan: {self.model}, {self.model_params / 1e9:.3f}B params "
                 f"({_size(self.model_bytes)}) | W={self.world_size} {mesh} | "
                 f"{self.optimizer} | param {self.param_dtype}, reduce {self.reduce_dtype} | "
-                f"offload {'on' if self.offload else 'off'} | planned in {self.planning_s:.1f} s"
+                f"offload {'on' if self.offload else 'off'} | {self.backend} | "
+                f"planned in {self.planning_s:.1f} s"
             ),
             (
                 f"per rank: sharded params {_size(self.sharded_param_bytes)}, grads "

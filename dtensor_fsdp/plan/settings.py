@@ -16,6 +16,9 @@ ShardFn = Callable[..., None]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
+# The collectives' backends a plan can simulate; see PlanSettings.backend.
+BACKENDS = frozenset({"nccl", "gloo"})
+
 OPTIMIZERS: dict[str, OptimizerFactory] = {
     # The learning rates do not matter: fake tensors do no arithmetic. What matters is
     # the state each keeps per parameter: SGD without momentum none, with it one
@@ -76,6 +79,10 @@ class PlanSettings:
     """Per-rank network bandwidth, Gbit/s, for the communication times."""
     tflops: float = 400.0
     """Achieved (not peak) compute throughput per rank, TFLOP/s, for compute times."""
+    backend: str = "nccl"
+    """The job's collectives: ``"nccl"`` (a reduce-scatter per group) or ``"gloo"``
+    (ours reduce-scatters there by an all-to-all plus a local sum, whose receive buffer,
+    as large as the input, counts in the peak)."""
 
     def __post_init__(self) -> None:
         if self.batch is None:
@@ -99,6 +106,10 @@ class PlanSettings:
             raise ValueError(
                 f"unknown optimizer {self.optimizer!r}: use one of {sorted(OPTIMIZERS)} or "
                 "pass a factory params -> torch.optim.Optimizer"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"unknown backend {self.backend!r}: plan for one of {sorted(BACKENDS)}"
             )
         if self.link_gbps <= 0 or self.tflops <= 0:
             raise ValueError("link_gbps and tflops must be positive")

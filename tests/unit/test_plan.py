@@ -94,6 +94,19 @@ def test_replan_sgd_has_no_optimizer_state(adamw_plan: Plan) -> None:
     assert sgd.collectives == adamw_plan.collectives
 
 
+def test_gloo_backend_plans_ours_all_to_all_reduce_scatter(adamw_plan: Plan) -> None:
+    # On gloo ours reduce-scatters by an all-to-all (same bytes) whose receive buffer,
+    # as large as the input, is alive with it: the peak can only grow.
+    on_gloo = replan(adamw_plan, backend="gloo")
+    assert on_gloo.backend == "gloo" and adamw_plan.backend == "nccl"
+    assert on_gloo.collectives["all_to_all"] == adamw_plan.collectives["reduce_scatter"]
+    assert "reduce_scatter" not in on_gloo.collectives
+    assert on_gloo.collectives["all_gather"] == adamw_plan.collectives["all_gather"]
+    assert on_gloo.peak_bytes > adamw_plan.peak_bytes
+    with pytest.raises(ValueError, match="unknown backend 'mpi'"):
+        replan(adamw_plan, backend="mpi")
+
+
 def test_compose_equals_whole_simulation() -> None:
     whole = _plan(n_layers=6)
     composed = compose(_plan(n_layers=3), _plan(n_layers=4), 6)
