@@ -3,15 +3,16 @@ small modules, on 2 real gloo ranks; ``bench_plan.py`` prints its figures last.
 
     python benchmarks/_bench_autogroups.py [--quick]
 
-Two models (``CASES``), fp32, AdamW, W=2 gloo:
+Three models (``CASES``), fp32, AdamW, W=2 gloo:
 
 - ``blocks``, the issue's many small modules: ``BlockStack``
   (``dtensor_fsdp/models/block_stack.py``), 64 residual blocks of two
   ``Linear(128, 128)`` (32 with ``--quick``), a norm and a head in the root; a batch
   of 32 rows per rank; budget 1.25 x the predicted peak of one group per block, fully
   resharded (the smallest budget ``auto_shard`` accepts is 1 x);
-- ``llama`` (not with ``--quick``): the ``small`` preset, 4 x 128 tokens per rank;
-  budget 1.3 x that peak, as the issue asks.
+- ``llama_tiny`` and ``llama`` (not with ``--quick``): the ``tiny`` preset (train.py's
+  default, the main job's) and the ``small`` one, 4 x 128 tokens per rank; budget 1.3 x
+  that peak, as the issue asks.
 
 The baseline is one group per block, every block resharded after forward, the root
 kept (torch's default). This process plans (``auto_shard`` needs no process group);
@@ -78,6 +79,10 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, LlamaConfig.small().vocab_size, (4, 129))
 
 
+def _tiny_tokens() -> torch.Tensor:
+    return torch.randint(0, LlamaConfig.tiny().vocab_size, (4, 129))
+
+
 def _llama_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
 
@@ -89,6 +94,13 @@ CASES = {
         _blocks_batch,
         lambda model, x: model(x).sum(),
         1.25,
+    ),
+    "llama_tiny": Case(
+        "Llama tiny (2 blocks, dim 128: train.py's default), 4 x 128 tokens",
+        lambda n: Llama(LlamaConfig.tiny()),
+        _tiny_tokens,
+        _llama_loss,
+        1.3,
     ),
     "llama": Case(
         "Llama small (4 blocks, dim 256), 4 x 128 tokens",
@@ -107,6 +119,7 @@ def auto_group_ratios(quick: bool = False) -> tuple[float, float, list[str]]:
     n_blocks, rounds = (32, 12) if quick else (64, 30)
     collectives, step, lines = _compare("blocks", n_blocks, rounds)
     if not quick:
+        lines += _compare("llama_tiny", 0, rounds)[2]  # the main job's (train.py's default)
         lines += _compare("llama", 0, rounds)[2]
     return collectives, step, lines
 
