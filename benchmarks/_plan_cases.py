@@ -21,6 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from dtensor_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from dtensor_fsdp.models.llama import PRESETS, Llama, cross_entropy_loss
 from dtensor_fsdp.plan import shard_largest_module_list
+from dtensor_fsdp.plan.recorders import collective_totals
 from dtensor_fsdp.plan.settings import OPTIMIZERS, default_loss
 
 SEQ = 32  # tokens per sequence (Llama) or positions (encoder)
@@ -155,7 +156,9 @@ def measure(case: Case) -> Measured:
                 # MemTracker's keys are its private _MemRefType enum: by name.
                 name = getattr(category, "value", category)
                 breakdown[name] = breakdown.get(name, 0) + nbytes
-    return Measured(total_bytes(peak), breakdown, c10d_totals(recorder.records))
+    # Counted as the NCCL plan counts them: gloo's all-to-all carries ours' reduce-scatter.
+    collectives = collective_totals(recorder.records, all_to_all_as="reduce_scatter")
+    return Measured(total_bytes(peak), breakdown, collectives)
 
 
 def measure_on_fake_group(case: Case) -> Measured:
@@ -179,17 +182,3 @@ def _mesh(replicate: int) -> DeviceMesh:
     return init_device_mesh(
         "cpu", (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
     )
-
-
-def c10d_totals(records: list[tuple[str, int]]) -> dict[str, dict[str, int]]:
-    """``{kind: {"count", "bytes"}}``. On gloo ours sends each reduce-scatter as an
-    all-to-all of the same buffer plus a local sum (gloo has no reduce-scatter, see
-    TORCH_NOTES.md); the plan, on the fake backend, counts the reduce-scatter an NCCL
-    job sends: one all-to-all here is one planned reduce-scatter."""
-    out: dict[str, dict[str, int]] = {}
-    for kind, size in records:
-        kind = "reduce_scatter" if kind == "all_to_all" else kind
-        entry = out.setdefault(kind, {"count": 0, "bytes": 0})
-        entry["count"] += 1
-        entry["bytes"] += size
-    return out

@@ -99,7 +99,7 @@ class RealRow:
 
     @property
     def collectives_equal(self) -> bool:
-        # The NCCL plan's reduce-scatters: c10d_totals counts gloo's all-to-all as one.
+        # The NCCL plan's reduce-scatters: the measurement counts gloo's all-to-all as one.
         return all(self.predicted_nccl.collectives == m.collectives for m in self.measured)
 
 

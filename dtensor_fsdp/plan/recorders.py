@@ -164,9 +164,20 @@ class C10dCounter(TorchDispatchMode):
 
     def totals(self) -> dict[str, dict[str, int]]:
         """``{kind: {"count": n, "bytes": b}}``."""
-        out: dict[str, dict[str, int]] = {}
-        for kind, size in self.records:
-            entry = out.setdefault(kind, {"count": 0, "bytes": 0})
-            entry["count"] += 1
-            entry["bytes"] += size
-        return out
+        return collective_totals(self.records)
+
+
+def collective_totals(
+    records: list[tuple[str, int]], *, all_to_all_as: str | None = None
+) -> dict[str, dict[str, int]]:
+    """``{kind: {"count": n, "bytes": b}}`` of ``(kind, bytes)`` records. With
+    ``all_to_all_as="reduce_scatter"`` an all-to-all counts as the reduce-scatter it
+    carries on gloo (ours' gloo path), to compare a gloo run with an NCCL plan."""
+    out: dict[str, dict[str, int]] = {}
+    for kind, size in records:
+        if kind == "all_to_all" and all_to_all_as is not None:
+            kind = all_to_all_as
+        entry = out.setdefault(kind, {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += size
+    return out

@@ -41,6 +41,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from dtensor_fsdp.models.llama import FeedForward  # SwiGLU: the shared and dense MLPs
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -52,19 +54,6 @@ class MoEConfig:
     dense_layers: int = 1  # the first blocks are dense (DeepSeek-V3's layout)
     num_experts: int = 4
     top_k: int = 2
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class GroupedExperts(nn.Module):

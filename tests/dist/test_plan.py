@@ -23,6 +23,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from dtensor_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, plan
 from dtensor_fsdp.models.llama import Llama, LlamaConfig, cross_entropy_loss
+from dtensor_fsdp.plan.recorders import collective_totals
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
 
@@ -123,30 +124,6 @@ def _plan(name: str, backend: str = "nccl"):
     )
 
 
-def _raw_totals(records: list[tuple[str, int]]) -> dict[str, dict[str, int]]:
-    """``{kind: {"count", "bytes"}}`` of the recorded collectives, kinds as sent."""
-    out: dict[str, dict[str, int]] = {}
-    for kind, size in records:
-        entry = out.setdefault(kind, {"count": 0, "bytes": 0})
-        entry["count"] += 1
-        entry["bytes"] += size
-    return out
-
-
-def _totals(records: list[tuple[str, int]]) -> dict[str, dict[str, int]]:
-    """``{kind: {"count", "bytes"}}``. On gloo ours sends each reduce-scatter as an
-    all-to-all of the same buffer plus a local sum (gloo's reduce-scatter is an
-    all-reduce, see TORCH_NOTES.md); the plan, on the fake backend, predicts the
-    reduce-scatter an NCCL job sends: one all-to-all here is one planned reduce-scatter."""
-    out: dict[str, dict[str, int]] = {}
-    for kind, size in records:
-        kind = "reduce_scatter" if kind == "all_to_all" else kind
-        entry = out.setdefault(kind, {"count": 0, "bytes": 0})
-        entry["count"] += 1
-        entry["bytes"] += size
-    return out
-
-
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_plan_matches_real_run(runs: dict[int, list], name: str) -> None:
     world, _ = SCENARIOS[name]
@@ -160,8 +137,11 @@ def test_plan_matches_real_run(runs: dict[int, list], name: str) -> None:
             on_gloo.peak_bytes,
             peak,
         )
-        assert on_gloo.collectives == _raw_totals(records), (name, rank)
-        assert predicted.collectives == _totals(records), (name, rank)
+        # The gloo plan sends what the run sent, kinds included; the NCCL plan's
+        # reduce-scatters are carried by all-to-alls on gloo.
+        assert on_gloo.collectives == collective_totals(records), (name, rank)
+        nccl_view = collective_totals(records, all_to_all_as="reduce_scatter")
+        assert predicted.collectives == nccl_view, (name, rank)
     # The per-group figures (ours' trace) add up to the c10d count.
     for kind, entry in predicted.collectives.items():
         assert (
@@ -178,4 +158,4 @@ def test_plan_matches_torch_fully_shard(runs: dict[int, list]) -> None:
     """The same groups under torch's fully_shard send what ours' plan predicts."""
     predicted = _plan("fp32")
     for _, records in scenario_records(runs[2], "torch_fp32"):
-        assert predicted.collectives == _totals(records)
+        assert predicted.collectives == collective_totals(records, all_to_all_as="reduce_scatter")
