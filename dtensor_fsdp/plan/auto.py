@@ -1,31 +1,35 @@
 """``auto_shard``: choose the ``fully_shard`` calls under a per-rank memory budget.
 
-The choice is greedy and predicted from one simulated plan, then confirmed by one more:
+Every grouping it considers is predicted from one simulated plan; the one chosen is
+confirmed by simulating it:
 
 1. Simulate the finest grouping, fully resharded (``shard_largest_module_list``: one
    group per block of the largest ``nn.ModuleList``, the rest in the root). Its peak is
    the smallest budget this search can meet; below it, ``ValueError``.
-2. Merge consecutive blocks into list groups (``fully_shard([...])``, sizes differing
-   by at most one): one all-gather and one reduce-scatter cover a group. A larger group
-   holds more unsharded bytes at once: the group running, the one prefetched and the
-   running group's unsharded gradients, so ``_MERGE_COPIES`` times the growth of the
-   largest group is added to the peak. The number of groups shrinks until that leaves
-   the budget, or until it would fall below ``_MIN_GROUPS`` (the first group's forward
-   all-gather and the last's backward reduce-scatter have no compute to hide behind,
-   so a group's size bounds the exposed communication).
-3. Keep groups unsharded from forward to backward (``reshard_after_forward=False``),
-   from the last one back: the last group's backward comes first, so its all-gather
-   would be exposed, and it is freed soonest. A kept group's bytes are added to the
-   baseline's timeline from its forward to its backward; groups are kept while the
-   predicted peak fits. The root keeps its parameters by torch's rule
-   (``reshard_after_forward=None`` on the root).
-4. Prefetch: the implicit default (depth 1). Under the plan's time model a phase's
-   collectives hide behind its compute already at depth 1 where they can; a deeper
-   prefetch only holds one more group's unsharded bytes.
-5. Simulate the choice. If its peak exceeds the budget (the prediction was short), the
-   kept groups are given up first, then the groups are split in two, and it is
-   simulated again (``_MAX_SIMULATIONS`` in all); the fully resharded finest grouping,
-   already simulated, always fits.
+2. Predict (``candidates.py``), for every number of groups that fits, the peak and the
+   step time of its variants: consecutive blocks merged into list groups
+   (``fully_shard([...])``, sizes differing by at most one: one all-gather and one
+   reduce-scatter cover a group); the longest run of groups, from the last back, kept
+   unsharded from forward to backward (``reshard_after_forward=False``: one all-gather
+   fewer each; the last group's backward comes first and frees it soonest); a forward
+   prefetch depth of 0 (torch's default), 1 or 2 (each call issues the next one or two
+   calls' all-gathers when its forward starts, the root the first ones'). Memory: a
+   larger group holds more unsharded bytes at once, the group running, the one
+   prefetched and its unsharded gradients, so ``MERGE_COPIES`` times the growth of the
+   largest group is added to the peak; a kept group's bytes are added to the
+   baseline's timeline from its forward to its backward, a prefetched group's from the
+   forward of the call that prefetches it. Time: the event model of ``timing.py``
+   (compute, a fixed host cost per collective, the link), from the baseline's
+   per-block FLOPs and bytes.
+3. Choose the fastest predicted variant within the budget (on a tie: fewer collectives,
+   then a forward prefetch of depth 1, 2, 0). The root keeps its parameters by torch's
+   rule (``reshard_after_forward=None`` on the root); backward prefetch stays torch's
+   implicit one (depth 1).
+4. Simulate the choice. If its peak exceeds the budget (the prediction was short),
+   choose again as in 3. with the budget lowered by the prediction's error (simulated
+   minus predicted peak), never the same choice twice, and simulate that
+   (``_MAX_SIMULATIONS`` in all); the fully resharded finest grouping, already
+   simulated, always fits.
 """
 
 import dataclasses
@@ -38,28 +42,23 @@ from typing import Any
 from torch import nn
 
 from ..fully_shard import fully_shard
+from .candidates import AutoGroup, Choice, Predictor, calls_of, candidates, count, fastest
 from .report import MiB, Plan
 from .settings import PlanSettings, largest_module_list
 from .simulate import simulate
 
-# Unsharded copies of a group alive at once in backward: its params, the next group's
-# (prefetched) and its unsharded grads (see step 2 above).
-_MERGE_COPIES = 3
-# Groups kept at least, so that all but one all-gather and one reduce-scatter overlap
-# another group's compute (step 2 above).
-_MIN_GROUPS = 4
+__all__ = ["AutoGroup", "AutoPlan", "apply_calls", "auto_shard"]
+
 # Simulations in all, the baseline's included: each costs seconds on a large model.
 _MAX_SIMULATIONS = 4
-
-
-@dataclass(frozen=True)
-class AutoGroup:
-    """One ``fully_shard`` call that ``auto_shard`` chose (the root's is implied, last)."""
-
-    fqns: tuple[str, ...]
-    """The modules of the call: one is ``fully_shard(module)``, more are
-    ``fully_shard([modules])``."""
-    reshard_after_forward: bool
+# A collective's fixed cost on the host (timing.py), microseconds, per backend when the
+# caller gives none. gloo: measured on a 2-core CPU, 2 ranks: an all-gather of a few
+# bytes takes 0.3 ms between idle ranks, and each collective fewer saved about 2.3 ms
+# of the tiny Llama's step (both blocks kept, one group against two: 4.7 ms for an
+# all-gather and a reduce-scatter fewer), the gloo threads competing with the compute
+# for the cores. nccl: an assumption, not measured on a GPU yet: a launch plus FSDP's
+# copies and hooks on the host.
+_OVERHEAD_US = {"nccl": 50.0, "gloo": 1000.0}
 
 
 @dataclass(frozen=True)
@@ -69,13 +68,21 @@ class AutoPlan:
     ``apply(model, mesh=..., mp_policy=..., offload_policy=...)`` makes the calls: each
     of ``groups`` in order, then ``fully_shard(model)`` (the root: the modules not in
     a group, e.g. embeddings and norms, with ``reshard_after_forward`` left to torch's
-    rule, which keeps the root's parameters from forward to backward).
+    rule, which keeps the root's parameters from forward to backward), then with
+    ``forward_prefetch`` the ``set_modules_to_forward_prefetch`` calls.
     """
 
     budget_bytes: int
     groups: tuple[AutoGroup, ...]
-    prefetch: str
-    """``"implicit"``: no ``set_modules_to_*_prefetch`` call (torch's default, depth 1)."""
+    forward_prefetch: int
+    """Forward prefetch depth: each call prefetches the next ``forward_prefetch`` calls'
+    all-gathers when its forward starts (``set_modules_to_forward_prefetch``; the root
+    the first ones'); 0 is torch's default, no such call. Backward prefetch is torch's
+    implicit one (depth 1)."""
+    step_s: float
+    """The chosen calls' forward and backward time predicted by ``timing.py``."""
+    baseline_step_s: float
+    """The same for one group per block, every group resharded after forward."""
     explanations: tuple[str, ...]
     """Why each choice, one line each, in the order made."""
     plan: Plan
@@ -85,17 +92,22 @@ class AutoPlan:
     simulations: int
 
     def apply(self, model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
-        """Make the chosen ``fully_shard`` calls on ``model`` (a copy of the planned
-        one: the same module FQNs), forwarding ``fully_shard_kwargs`` (``mesh``,
-        ``mp_policy``, ``offload_policy``: the planned ones, for the plan to hold)."""
-        return apply_calls(model, self.groups, **fully_shard_kwargs)
+        """Make the chosen ``fully_shard`` and forward prefetch calls on ``model`` (a
+        copy of the planned one: the same module FQNs), forwarding
+        ``fully_shard_kwargs`` (``mesh``, ``mp_policy``, ``offload_policy``: the planned
+        ones, for the plan to hold)."""
+        return apply_calls(
+            model, self.groups, forward_prefetch=self.forward_prefetch, **fully_shard_kwargs
+        )
 
     def to_json(self) -> str:
         return json.dumps(
             {
                 "budget_bytes": self.budget_bytes,
                 "groups": [dataclasses.asdict(g) for g in self.groups],
-                "prefetch": self.prefetch,
+                "forward_prefetch": self.forward_prefetch,
+                "step_s": self.step_s,
+                "baseline_step_s": self.baseline_step_s,
                 "explanations": list(self.explanations),
                 "simulations": self.simulations,
                 "baseline_peak_bytes": self.baseline.peak_bytes,
@@ -106,9 +118,16 @@ class AutoPlan:
 
     def __str__(self) -> str:
         calls = [
-            f"  fully_shard({_call_target(g.fqns)}, reshard_after_forward={g.reshard_after_forward})"
+            f"  fully_shard({_call_target(g.fqns)}, "
+            f"reshard_after_forward={g.reshard_after_forward})"
             for g in self.groups
         ] + ["  fully_shard(model)  # the root"]
+        if self.forward_prefetch:
+            names = ["model"] + [_call_target(g.fqns[:1]) for g in self.groups]
+            calls += [
+                f"  {name}.set_modules_to_forward_prefetch([{', '.join(targets)}])"
+                for name, targets in zip(names, _prefetch_targets(names[1:], self.forward_prefetch))
+            ]
         counts = {
             kind: (
                 self.plan.collectives.get(kind, {}).get("count", 0),
@@ -121,7 +140,9 @@ class AutoPlan:
                 (
                     f"auto_shard: budget {self.budget_bytes / MiB:.2f} MiB, predicted peak "
                     f"{self.plan.peak_bytes / MiB:.2f} MiB (one group per block "
-                    f"{self.baseline.peak_bytes / MiB:.2f} MiB), {self.simulations} simulations"
+                    f"{self.baseline.peak_bytes / MiB:.2f} MiB), {self.simulations} simulations; "
+                    f"predicted step {self.step_s * 1e3:.3f} ms (one group per block "
+                    f"{self.baseline_step_s * 1e3:.3f} ms)"
                 ),
                 "collectives per step (chosen vs one group per block): "
                 + ", ".join(f"{kind} {a} vs {b}" for kind, (a, b) in counts.items()),
@@ -148,11 +169,18 @@ def _call_target(fqns: tuple[str, ...]) -> str:
 
 
 def auto_shard(
-    model: nn.Module | Any, *, budget_bytes: int, world_size: int, batch: Any, **settings: Any
+    model: nn.Module | Any,
+    *,
+    budget_bytes: int,
+    world_size: int,
+    batch: Any,
+    overhead_us: float | None = None,
+    **settings: Any,
 ) -> AutoPlan:
     """Choose the ``fully_shard`` calls for ``model`` that fit ``budget_bytes`` per rank
-    with the fewest collectives: blocks merged into list groups, groups kept unsharded
-    from forward to backward, and the prefetch; verified by simulating the choice.
+    with the shortest predicted step: blocks merged into list groups, groups kept
+    unsharded from forward to backward, and the forward prefetch; verified by
+    simulating the choice.
 
     Args:
         model: as ``plan()``'s (a module, copied to ``meta``, or a factory). Its blocks
@@ -161,6 +189,11 @@ def auto_shard(
         budget_bytes: per-rank memory budget, in the bytes ``Plan.peak_bytes`` counts.
         world_size: ranks to simulate.
         batch: one rank's example batch, or a factory of it.
+        overhead_us: a collective's fixed cost on the host, microseconds, in the time
+            model (``timing.py``); by default per ``backend``: 50 for ``"nccl"`` (an
+            assumption), 1000 for ``"gloo"`` (measured on a 2-core CPU). The link's
+            bandwidth and the compute's throughput are ``plan()``'s ``link_gbps`` and
+            ``tflops``.
         **settings: ``plan()``'s other settings (``loss_fn``, ``mp_policy``,
             ``offload_policy``, ``replicate``, ``optimizer``, ...) but ``shard_fn``,
             which ``auto_shard`` chooses.
@@ -181,9 +214,13 @@ def auto_shard(
         )
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+    if overhead_us is not None and overhead_us < 0:
+        raise ValueError(f"overhead_us must not be negative, got {overhead_us}")
     base_settings = PlanSettings(model, world_size, batch, **settings)
+    if overhead_us is None:
+        overhead_us = _OVERHEAD_US[base_settings.backend]
     blocks = _block_fqns(base_settings)
-    calls = _calls(blocks, len(blocks), frozenset())
+    calls = calls_of(blocks, len(blocks), frozenset())
     baseline = simulate(dataclasses.replace(base_settings, shard_fn=_shard_fn(calls)))
     if baseline.peak_bytes > budget_bytes:
         raise ValueError(
@@ -194,7 +231,7 @@ def auto_shard(
             "lower the peak otherwise (more ranks, a smaller batch, mixed precision, "
             "activation checkpointing)"
         )
-    return _search(base_settings, blocks, baseline, budget_bytes)
+    return _search(base_settings, blocks, baseline, budget_bytes, overhead_us * 1e-6)
 
 
 def _block_fqns(settings: PlanSettings) -> list[str]:
@@ -208,9 +245,14 @@ def _block_fqns(settings: PlanSettings) -> list[str]:
 
 
 def apply_calls(
-    model: nn.Module, groups: tuple[AutoGroup, ...], **fully_shard_kwargs: Any
+    model: nn.Module,
+    groups: tuple[AutoGroup, ...],
+    forward_prefetch: int = 0,
+    **fully_shard_kwargs: Any,
 ) -> nn.Module:
-    """``fully_shard`` on each of ``groups`` in order, then on the root."""
+    """``fully_shard`` on each of ``groups`` in order, then on the root; then the root
+    and each group prefetch the next ``forward_prefetch`` groups in forward (the first
+    module of a list group stands for it)."""
     modules = dict(model.named_modules())
     missing = [f for g in groups for f in g.fqns if f not in modules]
     if missing:
@@ -225,179 +267,175 @@ def apply_calls(
             reshard_after_forward=group.reshard_after_forward,
             **fully_shard_kwargs,
         )
-    return fully_shard(model, **fully_shard_kwargs)
+    root = fully_shard(model, **fully_shard_kwargs)
+    if forward_prefetch:
+        firsts = [modules[g.fqns[0]] for g in groups]
+        for module, targets in zip([root, *firsts], _prefetch_targets(firsts, forward_prefetch)):
+            module.set_modules_to_forward_prefetch(targets)
+    return root
 
 
-def _calls(blocks: list[str], n_groups: int, kept: frozenset[int]) -> tuple[AutoGroup, ...]:
-    """``blocks`` in ``n_groups`` runs of consecutive blocks, sizes differing by at most
-    one (the largest group sets the memory); those indexed in ``kept`` not resharded."""
-    size, extra = divmod(len(blocks), n_groups) if blocks else (0, 0)
-    calls, start = [], 0
-    for i in range(n_groups if blocks else 0):
-        end = start + size + (i < extra)
-        calls.append(AutoGroup(tuple(blocks[start:end]), i not in kept))
-        start = end
-    return tuple(calls)
+def _prefetch_targets(firsts: list, depth: int) -> list[list]:
+    """For the root and each group in forward order, the next ``depth`` groups (none
+    after the last)."""
+    return [firsts[i : i + depth] for i in range(len(firsts))]
 
 
-@dataclass(frozen=True)
-class _Predictor:
-    """The peak of a choice predicted from the baseline plan's per-group figures."""
-
-    baseline: Plan
-    block_bytes: dict[str, int]
-
-    def group_bytes(self, group: AutoGroup) -> int:
-        return sum(self.block_bytes[f] for f in group.fqns)
-
-    def merge_extra(self, calls: tuple[AutoGroup, ...]) -> int:
-        """More unsharded bytes at once: see the module docstring, step 2."""
-        largest = max((self.group_bytes(g) for g in calls), default=0)
-        return _MERGE_COPIES * (largest - max(self.block_bytes.values(), default=0))
-
-    def peak(self, calls: tuple[AutoGroup, ...]) -> int:
-        """The baseline's timeline with each kept group's bytes added from its last
-        module's forward to its first module's backward; the baseline's peak above its
-        highest timeline point (temporaries inside a module) stays on top."""
-        timeline = self.baseline.timeline
-        base = max((p.live_bytes for p in timeline), default=0)
-        highest = base
-        kept = [g for g in calls if not g.reshard_after_forward]
-        if kept and not timeline:
-            highest += sum(self.group_bytes(g) for g in kept)
-        spans = [
-            (
-                _first(timeline, g.fqns[-1], "post_forward"),
-                _first(timeline, g.fqns[0], "post_backward"),
-                self.group_bytes(g),
-            )
-            for g in kept
-        ]
-        for t, point in enumerate(timeline):
-            held = sum(nbytes for start, end, nbytes in spans if start <= t < end)
-            highest = max(highest, point.live_bytes + held)
-        slack = max(0, self.baseline.peak_bytes - base)
-        return max(self.baseline.peak_bytes, highest + slack) + self.merge_extra(calls)
-
-
-def _first(timeline: list, fqn: str, event: str) -> int:
-    return next(
-        (i for i, p in enumerate(timeline) if p.fqn == fqn and p.event == event), len(timeline)
-    )
-
-
-def _search(settings: PlanSettings, blocks: list[str], baseline: Plan, budget: int) -> AutoPlan:
-    rows = {g.fqn: g for g in baseline.groups}
-    predictor = _Predictor(baseline, {f: rows[f].unsharded_bytes for f in blocks})
-    why = [_why_blocks(blocks, rows)]
-    n_groups = _merge(blocks, predictor, budget, why)
-    kept = _keep(blocks, n_groups, predictor, budget, why)
-    why.append(
-        "root: fully_shard(model) with reshard_after_forward left to torch's rule (None): "
-        "the root keeps its parameters from forward to backward, which starts at once"
-    )
-    why.append(_why_prefetch(baseline))
-    simulations = 1
-    calls = _calls(blocks, n_groups, kept)
-    simulated = baseline
-    while n_groups < len(blocks) or kept:
+def _search(
+    settings: PlanSettings, blocks: list[str], baseline: Plan, budget: int, overhead_s: float
+) -> AutoPlan:
+    predictor = Predictor(baseline, blocks, settings.tflops, overhead_s, settings.backend)
+    finest = calls_of(blocks, len(blocks), frozenset())
+    fallback = Choice.of(finest, 0, predictor)
+    options = candidates(blocks, predictor, budget)
+    choice = fastest(options) or fallback
+    simulations, error, retries = 1, 0, []
+    tried: set[tuple[tuple[AutoGroup, ...], int]] = set()
+    verified: Plan | None = None
+    while (choice.calls, choice.forward_prefetch) != (finest, 0):
         if simulations == _MAX_SIMULATIONS:
-            calls, simulated = _calls(blocks, len(blocks), frozenset()), baseline
-            why.append("fell back to one group per block, fully resharded: it fits")
             break
-        simulated = simulate(dataclasses.replace(settings, shard_fn=_shard_fn(calls)))
+        shard_fn = _shard_fn(choice.calls, choice.forward_prefetch)
+        simulated = simulate(dataclasses.replace(settings, shard_fn=shard_fn))
         simulations += 1
         if simulated.peak_bytes <= budget:
+            verified = simulated
             break
-        # The prediction was short: give up the longest-held kept group, else split
-        # the groups in two.
-        if kept:
-            kept = kept - {min(kept)}
-        else:
-            n_groups = min(len(blocks), 2 * n_groups)
-        why.append(
-            f"simulated peak {simulated.peak_bytes / MiB:.2f} MiB (predicted "
-            f"{predictor.peak(calls) / MiB:.2f}) exceeds the budget: now {n_groups} "
-            f"groups, {len(kept)} kept"
+        # The prediction was short: choose again as if the budget were smaller by the
+        # prediction's error (mostly the merged groups' extra copies, alike for the
+        # neighbouring choices), never the same choice twice.
+        tried.add((choice.calls, choice.forward_prefetch))
+        error = max(error, simulated.peak_bytes - choice.peak)
+        options = [
+            c
+            for c in candidates(blocks, predictor, budget - error)
+            if (c.calls, c.forward_prefetch) not in tried
+        ]
+        retries.append(
+            f"simulated peak {simulated.peak_bytes / MiB:.2f} MiB exceeds the budget "
+            f"({choice.describe()} predicted): choosing again with the budget lowered by "
+            f"the prediction's error, {error / MiB:.2f} MiB"
         )
-        calls = _calls(blocks, n_groups, kept)
-    why.append(
-        f"verified by simulation: peak {simulated.peak_bytes / MiB:.2f} MiB (predicted "
-        f"{predictor.peak(calls) / MiB:.2f}) <= budget {budget / MiB:.2f} MiB"
+        choice = fastest(options) or fallback
+    if verified is None:  # the finest grouping, fully resharded: the baseline, which fits
+        if retries:
+            retries.append("fell back to one group per block, fully resharded: it fits")
+        choice, verified = fallback, baseline
+    why = [
+        _why_blocks(blocks, baseline),
+        _why_merge(blocks, choice, options, fallback, predictor),
+        _why_keep(choice, error),
+        (
+            "root: fully_shard(model) with reshard_after_forward left to torch's rule (None): "
+            "the root keeps its parameters from forward to backward, which starts at once"
+        ),
+        _why_prefetch(choice, options),
+        (
+            f"time model (timing.py): {settings.tflops:g} TFLOP/s, {settings.link_gbps:g} "
+            f"Gbit/s, {overhead_s * 1e6:g} us per collective on the host"
+            + (
+                ", torch's default forward all-gather issued a group ahead (the host runs "
+                "ahead of its device)"
+                if predictor.host_ahead
+                else ""
+            )
+        ),
+        *retries,
+        (
+            f"verified by simulation: peak {verified.peak_bytes / MiB:.2f} MiB (predicted "
+            f"{choice.peak / MiB:.2f}) <= budget {budget / MiB:.2f} MiB"
+        ),
+    ]
+    return AutoPlan(
+        budget,
+        choice.calls,
+        choice.forward_prefetch,
+        choice.step_s,
+        fallback.step_s,
+        tuple(why),
+        verified,
+        baseline,
+        simulations,
     )
-    return AutoPlan(budget, calls, "implicit", tuple(why), simulated, baseline, simulations)
 
 
-def _merge(blocks: list[str], predictor: _Predictor, budget: int, why: list[str]) -> int:
-    """The fewest groups that fit, and not fewer than ``_MIN_GROUPS``."""
-    best, stop = len(blocks), "there is one block or none"
-    for n_groups in range(len(blocks) - 1, 0, -1):
-        if n_groups < _MIN_GROUPS:
-            stop = f"{n_groups} groups would be fewer than {_MIN_GROUPS}"
-            break
-        peak = predictor.peak(_calls(blocks, n_groups, frozenset()))
-        if peak > budget:
-            stop = f"{n_groups} groups would reach a predicted {peak / MiB:.2f} MiB > budget"
-            break
-        best = n_groups
-    largest = max((predictor.group_bytes(g) for g in _calls(blocks, best, frozenset())), default=0)
-    why.append(
-        f"merge: {len(blocks)} blocks in {best} fully_shard calls of consecutive blocks "
-        f"(one all-gather and one reduce-scatter cover each); largest group "
-        f"{largest / MiB:.2f} MiB unsharded; {stop}"
-        if blocks
-        else "merge: no nn.ModuleList, the model is one group (the root)"
+def _why_merge(
+    blocks: list[str],
+    best: Choice,
+    options: list[Choice],
+    fallback: Choice,
+    predictor: Predictor,
+) -> str:
+    if not blocks:
+        return "merge: no nn.ModuleList, the model is one group (the root)"
+    largest = max(predictor.group_bytes(g) for g in best.calls)
+    fewest = min((len(c.calls) for c in options), default=len(blocks))
+    others = sorted(
+        {len(best.calls) - 1, len(best.calls) + 1, fewest, len(blocks)} - {len(best.calls)}
     )
-    return best
+    alternatives = [
+        min((c for c in options if len(c.calls) == n), key=lambda c: c.step_s)
+        for n in others
+        if any(len(c.calls) == n for c in options)
+    ]
+    return (
+        f"merge: {len(blocks)} blocks in {count(len(best.calls), 'fully_shard call')} of "
+        f"consecutive blocks (one all-gather and one reduce-scatter cover each), the "
+        f"fastest predicted step of the groupings that fit; largest group "
+        f"{largest / MiB:.2f} MiB unsharded; chosen: {best.describe()}"
+        + "".join(f"; against {c.describe()}" for c in alternatives)
+        + f"; {count(fewest, 'group')} the fewest that fit; one group per block, fully "
+        f"resharded: {fallback.step_s * 1e3:.3f} ms"
+    )
 
 
-def _keep(
-    blocks: list[str], n_groups: int, predictor: _Predictor, budget: int, why: list[str]
-) -> frozenset[int]:
-    """Groups not resharded after forward, from the last back, while the peak fits."""
-    kept: frozenset[int] = frozenset()
-    refused = ""
-    for i in reversed(range(n_groups)):
-        peak = predictor.peak(_calls(blocks, n_groups, kept | {i}))
-        if peak <= budget:
-            kept = kept | {i}
-        elif not refused:
-            refused = f"; group {i} not kept: predicted {peak / MiB:.2f} MiB > budget"
-    names = [_calls(blocks, n_groups, kept)[i].fqns[0] for i in sorted(kept)]
-    why.append(
-        f"reshard_after_forward=False for {len(kept)} of {n_groups} groups "
+def _why_keep(best: Choice, error: int) -> str:
+    if not best.calls:
+        return "reshard_after_forward: no group but the root"
+    names = [best.calls[i].fqns[0] for i in sorted(best.kept)]
+    room = (
+        f"the budget less the prediction's error ({error / MiB:.2f} MiB)" if error else "the budget"
+    )
+    return (
+        f"reshard_after_forward=False for {len(best.kept)} of {len(best.calls)} groups "
         f"({', '.join(names) or 'none'}; the last first: its backward comes first, so its "
         "all-gather would be exposed, and it is freed soonest): one all-gather fewer each, "
-        f"predicted peak {predictor.peak(_calls(blocks, n_groups, kept)) / MiB:.2f} MiB{refused}"
+        f"the longest such run that fits {room}"
     )
-    return kept
 
 
-def _why_blocks(blocks: list[str], rows: dict[str, Any]) -> str:
+def _why_prefetch(best: Choice, options: list[Choice]) -> str:
+    others = [
+        c
+        for c in options
+        if len(c.calls) == len(best.calls) and c.forward_prefetch != best.forward_prefetch
+    ]
+    head = (
+        f"prefetch: forward depth {best.forward_prefetch} (each call issues the next "
+        f"{count(best.forward_prefetch, 'call')}' all-gathers when its forward starts, the "
+        "root the first ones'), backward implicit (depth 1)"
+        if best.forward_prefetch
+        else "prefetch: implicit (torch's default: depth 1 in backward, none in forward)"
+    )
+    return "".join([head, *(f"; against {c.describe()}" for c in others)])
+
+
+def _why_blocks(blocks: list[str], baseline: Plan) -> str:
     if not blocks:
         return "blocks: none (no nn.ModuleList)"
-    root = rows[""]
+    root = next((g for g in baseline.groups if g.fqn == ""), None)
+    held = (
+        f"modules' {root.params:,} parameters ({root.unsharded_bytes / MiB:.2f} MiB "
+        "unsharded: embeddings, norms, head)"
+        if root is not None
+        else "modules (no parameters of their own)"
+    )
     return (
         f"blocks: the {len(blocks)} children of the largest nn.ModuleList "
-        f"({blocks[0]} .. {blocks[-1]}); the other modules' {root.params:,} parameters "
-        f"({root.unsharded_bytes / MiB:.2f} MiB unsharded: embeddings, norms, head) stay "
-        "in the root's group, not a group of their own"
+        f"({blocks[0]} .. {blocks[-1]}); the other {held} stay in the root's group, not a "
+        "group of their own"
     )
 
 
-def _why_prefetch(baseline: Plan) -> str:
-    phases = ", ".join(
-        f"{p} {baseline.comm_s(p) * 1e3:.3f} ms comm vs {baseline.compute_s(p) * 1e3:.3f} ms "
-        "compute"
-        for p in ("forward", "backward")
-    )
-    return (
-        "prefetch: implicit (torch's default, depth 1, no set_modules_to_*_prefetch): at "
-        "depth 1 a phase's collectives already overlap its compute where compute is longer, "
-        "and where they are longer (bandwidth-bound) a deeper prefetch cannot shorten them; "
-        f"it would hold one more group unsharded ({phases}, baseline)"
-    )
-
-
-def _shard_fn(calls: tuple[AutoGroup, ...]) -> Any:
-    return functools.partial(apply_calls, groups=calls)
+def _shard_fn(calls: tuple[AutoGroup, ...], forward_prefetch: int = 0) -> Any:
+    return functools.partial(apply_calls, groups=calls, forward_prefetch=forward_prefetch)

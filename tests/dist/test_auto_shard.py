@@ -30,12 +30,13 @@ def _batch() -> torch.Tensor:
 @pytest.fixture(scope="module")
 def auto() -> AutoPlan:
     # plan()'s default groups are auto_shard's finest: one per block, then the root.
-    finest = plan(lambda: BlockStack(N_BLOCKS, DIM), world_size=2, batch=_batch).peak_bytes
+    # Planned for gloo, where it runs: its reduce-scatter's receive buffer counts.
+    settings = {"world_size": 2, "batch": _batch, "backend": "gloo"}
+    finest = plan(lambda: BlockStack(N_BLOCKS, DIM), **settings).peak_bytes
     return auto_shard(
         lambda: BlockStack(N_BLOCKS, DIM),
         budget_bytes=int(BUDGET_OVER_FINEST * finest),
-        world_size=2,
-        batch=_batch,
+        **settings,
     )
 
 
@@ -47,6 +48,10 @@ def _by_hand(model: BlockStack, shard: Any, mesh: Any) -> None:
     shard([b[4], b[5]], mesh=mesh, reshard_after_forward=True)
     shard([b[6], b[7]], mesh=mesh, reshard_after_forward=False)
     shard(model, mesh=mesh)
+    model.set_modules_to_forward_prefetch([b[0]])
+    b[0].set_modules_to_forward_prefetch([b[2]])
+    b[2].set_modules_to_forward_prefetch([b[4]])
+    b[4].set_modules_to_forward_prefetch([b[6]])
 
 
 def _train(apply: Any) -> dict[str, Any]:
@@ -84,10 +89,14 @@ def _train(apply: Any) -> dict[str, Any]:
     }
 
 
-def _run(rank: int, world_size: int, groups: tuple[AutoGroup, ...]) -> dict[str, Any]:
+def _run(
+    rank: int, world_size: int, groups: tuple[AutoGroup, ...], forward_prefetch: int
+) -> dict[str, Any]:
     return run_scenarios(
         {
-            "auto": lambda: _train(lambda m, mesh: apply_calls(m, groups, mesh=mesh)),
+            "auto": lambda: _train(
+                lambda m, mesh: apply_calls(m, groups, forward_prefetch, mesh=mesh)
+            ),
             "hand": lambda: _train(lambda m, mesh: _by_hand(m, fully_shard, mesh)),
             "torch": lambda: _train(lambda m, mesh: _by_hand(m, torch_fully_shard, mesh)),
         }
@@ -96,7 +105,7 @@ def _run(rank: int, world_size: int, groups: tuple[AutoGroup, ...]) -> dict[str,
 
 @pytest.fixture(scope="module")
 def runs(auto: AutoPlan) -> list[dict[str, Any]]:
-    return run_distributed(_run, 2, auto.groups)
+    return run_distributed(_run, 2, auto.groups, auto.forward_prefetch)
 
 
 def _totals(records: list[tuple[str, int]]) -> dict[str, tuple[int, int]]:
@@ -115,6 +124,7 @@ def test_reported_calls_are_the_hand_written_ones(auto: AutoPlan) -> None:
     assert auto.groups == tuple(
         AutoGroup(tuple(blocks[i : i + 2]), i < 6) for i in range(0, N_BLOCKS, 2)
     )
+    assert auto.forward_prefetch == 1
 
 
 def test_auto_trains_bitwise_as_by_hand(runs: list[dict[str, Any]]) -> None:
@@ -139,7 +149,11 @@ def test_same_calls_under_torch(runs: list[dict[str, Any]], auto: AutoPlan) -> N
         assert ours["losses"] == theirs["losses"]
         for name, value in ours["params"].items():
             assert torch.equal(value, theirs["params"][name]), name
-    predicted = {k: (v["count"], v["bytes"]) for k, v in auto.plan.collectives.items()}
+    # The gloo plan counts ours' reduce-scatter as the all-to-all it sends, as _totals.
+    predicted = {
+        "reduce_scatter" if kind == "all_to_all" else kind: (entry["count"], entry["bytes"])
+        for kind, entry in auto.plan.collectives.items()
+    }
     assert _totals(scenario_records(runs, "auto")[0]["collectives"][-1]) == predicted
 
 
