@@ -55,6 +55,7 @@ from dtensor_fsdp.models.block_stack import BlockStack
 from dtensor_fsdp.models.llama import Llama, LlamaConfig, cross_entropy_loss
 from dtensor_fsdp.plan import plan
 from dtensor_fsdp.plan.auto import AutoGroup, apply_calls
+from dtensor_fsdp.plan.candidates import count
 from dtensor_fsdp.plan.settings import largest_module_list
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,7 +172,8 @@ def _report(
         ),
         (
             f"  chosen in {planning_s:.1f} s ({auto.simulations} simulations): "
-            f"{len(auto.groups)} groups of {'/'.join(map(str, sizes))} blocks, {kept} kept "
+            f"{count(len(auto.groups), 'group')} of {'/'.join(map(str, sizes))} blocks, "
+            f"{kept} kept "
             f"unsharded after forward, forward prefetch depth {auto.forward_prefetch}; "
             f"predicted step {auto.step_s * 1e3:.1f} vs {auto.baseline_step_s * 1e3:.1f} ms = "
             f"{auto.step_s / auto.baseline_step_s:.3f}"

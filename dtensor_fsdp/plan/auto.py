@@ -52,12 +52,12 @@ __all__ = ["AutoGroup", "AutoPlan", "apply_calls", "auto_shard"]
 # Simulations in all, the baseline's included: each costs seconds on a large model.
 _MAX_SIMULATIONS = 4
 # A collective's fixed cost on the host (timing.py), microseconds, per backend when the
-# caller gives none. gloo: measured on a 2-core CPU, 2 ranks: an all-gather of a few
-# bytes takes 0.3 ms between idle ranks, and each collective fewer saved about 2.3 ms
-# of the tiny Llama's step (both blocks kept, one group against two: 4.7 ms for an
-# all-gather and a reduce-scatter fewer), the gloo threads competing with the compute
-# for the cores. nccl: an assumption, not measured on a GPU yet: a launch plus FSDP's
-# copies and hooks on the host.
+# caller gives none. gloo: a value between two figures measured on a 2-core CPU, 2
+# ranks: an all-gather of a few bytes takes 0.3 ms between idle ranks, and each
+# collective fewer saved about 2.3 ms of the tiny Llama's step (both blocks kept, one
+# group against two: 4.7 ms for an all-gather and a reduce-scatter fewer), the gloo
+# threads competing with the compute for the cores. nccl: an assumption, not measured
+# on a GPU yet: a launch plus FSDP's copies and hooks on the host.
 _OVERHEAD_US = {"nccl": 50.0, "gloo": 1000.0}
 
 
@@ -191,7 +191,7 @@ def auto_shard(
         batch: one rank's example batch, or a factory of it.
         overhead_us: a collective's fixed cost on the host, microseconds, in the time
             model (``timing.py``); by default per ``backend``: 50 for ``"nccl"`` (an
-            assumption), 1000 for ``"gloo"`` (measured on a 2-core CPU). The link's
+            assumption), 1000 for ``"gloo"`` (from measurements on a 2-core CPU). The link's
             bandwidth and the compute's throughput are ``plan()``'s ``link_gbps`` and
             ``tflops``.
         **settings: ``plan()``'s other settings (``loss_fn``, ``mp_policy``,
@@ -317,25 +317,36 @@ def _search(
             f"the prediction's error, {error / MiB:.2f} MiB"
         )
         choice = fastest(options) or fallback
+    fell_back = verified is None and bool(retries)
     if verified is None:  # the finest grouping, fully resharded: the baseline, which fits
         if retries:
             retries.append("fell back to one group per block, fully resharded: it fits")
         choice, verified = fallback, baseline
+    if fell_back:
+        merge, keep, prefetch = (
+            "merge: none, one group per block (the fallback: no faster grouping was "
+            "verified within the budget, see below)",
+            "reshard_after_forward=True for every group (the fallback)",
+            "prefetch: implicit (torch's default; the fallback)",
+        )
+    else:
+        merge = _why_merge(blocks, choice, options, fallback, predictor)
+        keep, prefetch = _why_keep(choice, error), _why_prefetch(choice, options)
     why = [
         _why_blocks(blocks, baseline),
-        _why_merge(blocks, choice, options, fallback, predictor),
-        _why_keep(choice, error),
+        merge,
+        keep,
         (
             "root: fully_shard(model) with reshard_after_forward left to torch's rule (None): "
             "the root keeps its parameters from forward to backward, which starts at once"
         ),
-        _why_prefetch(choice, options),
+        prefetch,
         (
             f"time model (timing.py): {settings.tflops:g} TFLOP/s, {settings.link_gbps:g} "
             f"Gbit/s, {overhead_s * 1e6:g} us per collective on the host"
             + (
-                ", torch's default forward all-gather issued a group ahead (the host runs "
-                "ahead of its device)"
+                ", every forward all-gather issued a group earlier than its prefetch depth "
+                "says (a GPU's host runs ahead of its device)"
                 if predictor.host_ahead
                 else ""
             )

@@ -13,9 +13,11 @@ from .timing import Cost, step_s
 MERGE_COPIES = {"nccl": 3, "gloo": 4}
 # Forward prefetch depths tried: torch's default (none), then one and two calls ahead.
 DEPTHS = (0, 1, 2)
-# Groups whose forward all-gather torch's default issues ahead, per backend: a GPU's
-# host runs ahead of its device, so it reaches the next group's pre-forward while the
-# device still computes this one (depth 0 acts as depth 1 there); a CPU's does not.
+# Groups the host runs ahead of the device, per backend: a GPU's host reaches a group's
+# pre-forward while the device still computes the one before, so every forward
+# all-gather is issued (and its output allocated) that much earlier than the explicit
+# depth says: depth d acts as d + 1 there, in time and in memory; a CPU's host does not
+# run ahead.
 HOST_AHEAD = {"nccl": 1, "gloo": 0}
 # Predicted step times this close (relative) are a tie: the model is not that precise.
 TIE = 1e-3
@@ -76,9 +78,11 @@ class Predictor:
     def peak(self, calls: tuple[AutoGroup, ...], forward_prefetch: int) -> int:
         """The baseline's timeline with each kept group's bytes added from its last
         module's forward to its first module's backward, and with forward prefetch
-        each group's bytes from the forward of the call that prefetches it (the root
-        for the first ones) to its own; the baseline's peak above its highest timeline
-        point (temporaries inside a module) stays on top."""
+        (the depth the device sees: ``effective_depth``) each group's bytes from the
+        forward of the call that prefetches it (the root for the first ones) to its
+        own; the baseline's peak above its highest timeline point (temporaries inside
+        a module) stays on top."""
+        forward_prefetch = self.effective_depth(forward_prefetch)
         timeline = self.baseline.timeline
         base = max((p.live_bytes for p in timeline), default=0)
         spans = [
@@ -123,8 +127,12 @@ class Predictor:
 
     def step_s(self, calls: tuple[AutoGroup, ...], forward_prefetch: int) -> float:
         kept = [not g.reshard_after_forward for g in calls]
-        depth = max(forward_prefetch, self.host_ahead)
+        depth = self.effective_depth(forward_prefetch)
         return step_s(self.root, self._costs(calls), kept, depth, self.overhead_s)
+
+    def effective_depth(self, forward_prefetch: int) -> int:
+        """The forward prefetch depth the device sees (``HOST_AHEAD``)."""
+        return forward_prefetch + self.host_ahead
 
     def collectives(self, calls: tuple[AutoGroup, ...]) -> int:
         """Per step: each group's all-gather in forward, again in backward unless
@@ -172,14 +180,13 @@ class Choice:
 
 def candidates(blocks: list[str], predictor: Predictor, budget: int) -> list[Choice]:
     """Per number of groups that fits and per forward prefetch depth, the longest run
-    of kept groups (from the last back) that fits."""
+    of kept groups (from the last back) that fits. Every number is tried: with blocks of
+    unequal sizes fewer groups may hold less at once than more."""
     out = []
     for n_groups in range(len(blocks), 0, -1):
-        fitted = False
         for depth in DEPTHS[: n_groups + 1]:
             if predictor.peak(calls_of(blocks, n_groups, frozenset()), depth) > budget:
                 continue
-            fitted = True
             low, high = 0, n_groups  # kept runs of length low fit; find the longest
             while low < high:
                 middle = (low + high + 1) // 2
@@ -193,8 +200,6 @@ def candidates(blocks: list[str], predictor: Predictor, budget: int) -> list[Cho
             out.append(
                 Choice.of(calls_of(blocks, n_groups, _last(n_groups, low)), depth, predictor)
             )
-        if not fitted:  # fewer groups only hold more at once
-            break
     return out
 
 

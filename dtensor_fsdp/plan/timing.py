@@ -38,8 +38,9 @@ class Cost:
     """One group's times in the model, seconds."""
 
     forward_s: float
+    """Forward compute of the modules it owns."""
     backward_s: float
-    """Compute of the modules it owns."""
+    """Backward compute of the modules it owns."""
     all_gather_s: float
     """One all-gather's time on the link (its bytes; the fixed cost is apart)."""
     reduce_s: float

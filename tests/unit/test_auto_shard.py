@@ -141,9 +141,9 @@ def test_apply_to_another_model_names_the_module(roomy: AutoPlan) -> None:
 def test_predicted_collectives_are_the_simulated_ones(replicate: int) -> None:
     """The count the choice breaks ties on, against the verifying simulation's
     (HSDP: each group's all-reduce too)."""
-    for budget in (2**30, None):
-        finest = _auto(2**30, world_size=4, replicate=replicate).baseline
-        auto = _auto(budget or int(1.1 * finest.peak_bytes), world_size=4, replicate=replicate)
+    finest = _auto(2**30, world_size=4, replicate=replicate).baseline
+    for budget in (2**30, int(1.1 * finest.peak_bytes)):
+        auto = _auto(budget, world_size=4, replicate=replicate)
         blocks = [f"blocks.{i}" for i in range(N_BLOCKS)]
         predictor = Predictor(auto.baseline, blocks, 400.0, 50e-6, "nccl")
         assert predictor.collectives(auto.groups) == _total(auto.plan)
@@ -166,6 +166,7 @@ def test_a_short_prediction_is_chosen_again(monkeypatch: pytest.MonkeyPatch) -> 
     assert auto.forward_prefetch == 0 and auto.plan is auto.baseline
     assert auto.plan.peak_bytes <= auto.budget_bytes
     assert auto.explanations[-2].startswith("fell back to one group per block")
+    assert auto.explanations[1].startswith("merge: none, one group per block (the fallback")
     assert f"<= budget {auto.budget_bytes / 2**20:.2f} MiB" in auto.explanations[-1]
 
 
