@@ -28,8 +28,11 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
 from torch.distributed.pipelining import (
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor
@@ -50,16 +53,20 @@ SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved1f1b": ScheduleInterleaved1F1B,
+    "loopedbfs": ScheduleLoopedBFS,
+    "interleavedzb": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
 # The schedules with several stages per rank, and which stages each pp rank holds.
-MULTI_STAGE = {"interleaved1f1b", "zbv"}
+MULTI_STAGE = {"interleaved1f1b", "loopedbfs", "interleavedzb", "zbv", "dualpipev"}
+V_SHAPED = {"zbv", "dualpipev"}
 
 
 def _stage_indices(schedule: str, pp_rank: int) -> list[int]:
     if schedule not in MULTI_STAGE:
         return [pp_rank]
-    if schedule == "zbv":  # the V: rank r holds stages r and 2 * PP - 1 - r
+    if schedule in V_SHAPED:  # the V: rank r holds stages r and 2 * PP - 1 - r
         return [pp_rank, 2 * PP - 1 - pp_rank]
     return [pp_rank, pp_rank + PP]  # looped
 
@@ -324,9 +331,10 @@ def run() -> list[dict[str, Any]]:
 def test_schedule_drives_ours_as_torchs(run, schedule, reshard):
     """Per step and rank: the same all-gathers (in issue order, bytes) and reductions on
     the dp group as torch's, the same pp traffic, bitwise losses, grads and params. With
-    the zero-bubble V schedule and blocks resharded after forward, torch's FSDP leaves
-    the last stage's blocks without grads (their weight-grad pass runs on resharded
-    params); ours, driven the same way, does the same (compared as None)."""
+    the zero-bubble schedules (ZBV, interleaved) and blocks resharded after forward,
+    torch's FSDP leaves the last stage's blocks without grads (their weight-grad pass
+    runs on resharded params); ours, driven the same way, does the same (compared as
+    None)."""
     for rank, result in enumerate(scenario_records(run, _case_name(schedule, reshard))):
         for step, rec in enumerate(result["steps"]):
             ours, theirs = rec["ours"], rec["torch"]
