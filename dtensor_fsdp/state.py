@@ -198,11 +198,15 @@ class FSDPState:
         # the group and only its inputs carry the post-backward. A later module's inputs
         # would fire it while the earlier modules still compute grads (b's input grads
         # come before a's), and reshard and reduce-scatter the group twice.
+        # Its explicit forward prefetch too, issued once per forward of the group: a
+        # later module's would re-gather a target resharded in between.
         starts_group = any(g.training_state != TrainingState.FORWARD for g in self.groups)
         for group in self.groups:
             group.pre_forward()
+        if not starts_group:
+            return args, kwargs
         self.ctx.prefetch_forward([g for s in self.forward_prefetch for g in s.groups])
-        return self._register_post_backward(args, kwargs) if starts_group else (args, kwargs)
+        return self._register_post_backward(args, kwargs)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         assert self.ctx is not None
