@@ -156,7 +156,9 @@ class Choice:
     collectives: int
 
     @classmethod
-    def of(cls, calls: tuple[AutoGroup, ...], forward_prefetch: int, predictor: Predictor):
+    def of(
+        cls, calls: tuple[AutoGroup, ...], forward_prefetch: int, predictor: Predictor
+    ) -> "Choice":
         return cls(
             calls,
             forward_prefetch,

@@ -118,32 +118,35 @@ def step_s(
     def gather(i: int) -> float:
         return clock.issue(groups[i].all_gather_s, int(groups[i].gathers))
 
-    ready: dict[int, float] = {}
+    # Forward: when each group's all-gather ends, in issue order (a list: issued in order).
+    gathered: list[float] = []
 
     def gather_up_to(end: int) -> None:
         """Issue the forward all-gathers of groups before ``end`` not issued yet."""
-        for i in range(len(ready), min(end, len(groups))):
-            ready[i] = gather(i)
+        for i in range(len(gathered), min(end, len(groups))):
+            gathered.append(gather(i))
 
     clock.wait(clock.issue(root.all_gather_s, int(root.gathers)))
     gather_up_to(forward_prefetch)
     for i, group in enumerate(groups):
         gather_up_to(i + 1)
-        clock.wait(ready[i])
+        clock.wait(gathered[i])
         gather_up_to(i + 1 + forward_prefetch)
         clock.compute(group.forward_s)
     clock.compute(root.forward_s)
-    ready.clear()
 
+    # Backward: a resharded group's all-gather is issued at the pre-backward of the one
+    # after it (the root's for the last), so it is always issued before it is awaited.
+    regathered: dict[int, float] = {}
     last = len(groups) - 1
     if groups and not kept[last]:
-        ready[last] = gather(last)
+        regathered[last] = gather(last)
     clock.compute(root.backward_s)
     for i in reversed(range(len(groups))):
         if not kept[i]:
-            clock.wait(ready.pop(i) if i in ready else gather(i))
+            clock.wait(regathered.pop(i))
         if i > 0 and not kept[i - 1]:
-            ready[i - 1] = gather(i - 1)
+            regathered[i - 1] = gather(i - 1)
         clock.compute(groups[i].backward_s)
         clock.issue(groups[i].reduce_s, groups[i].reductions)
     clock.issue(root.reduce_s, root.reductions)
