@@ -22,7 +22,6 @@ and before an all-gather that finds a replaced local tensor.
 """
 
 import time
-import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -169,11 +168,6 @@ class FSDPParamGroup:
         # Every FSDPParam of the root's tree, set at lazy init: a replacement is checked
         # against them all, so a tie made after fully_shard is refused across groups.
         self.tree_params: list[FSDPParam] | None = None
-        # The autograd contexts of this iteration's post-backward nodes that have not run
-        # yet; post-backward runs when the last one does. Weak, so the nodes of a forward
-        # whose graph was dropped without a backward (warm-up, eval with grad enabled)
-        # leave the set with their graph instead of blocking the next backward.
-        self._pending_post_backward_nodes: weakref.WeakSet[object] = weakref.WeakSet()
 
     # Initialization #
 
@@ -532,7 +526,20 @@ class FSDPParamGroup:
             return
         self._forwarded_modules.add(id(module))
         if len(self._forwarded_modules) < len(self.modules):
-            return
+            return  # a list group: the forward of its other modules has not run yet
+        self.complete_forward()
+
+    def is_forward_incomplete(self) -> bool:
+        """Whether some but not all of a list group's modules ran their forward (the
+        output head of ``fully_shard([norm, output])`` left out of an evaluation, or
+        called on its own per chunk of a chunked loss)."""
+        return self.training_state == TrainingState.FORWARD and bool(self._forwarded_modules)
+
+    def complete_forward(self) -> None:
+        """The group's forward is over: reshard per ``reshard_after_forward``. Also
+        called by the root's post-forward for a list group only partly run, as torch's
+        ``_force_complete_incomplete_states`` does, so that it is not left unsharded
+        (and stale after an optimizer step) until its next forward."""
         self._forwarded_modules.clear()
         # A forward recomputed inside backward (reentrant checkpointing reruns it before
         # this group's pre-backward) keeps the params: its backward comes next, as torch.
@@ -578,18 +585,19 @@ class FSDPParamGroup:
         self._record("pre_backward")
         self.unshard()
 
-    def register_post_backward_node(self, node: object) -> None:
-        self._pending_post_backward_nodes.add(node)
-
-    def on_post_backward_node(self, node: object) -> None:
-        """One registered post-backward node ran; the last one runs post-backward (two
-        forwards before one backward make one reduce-scatter, not two)."""
-        self._pending_post_backward_nodes.discard(node)
-        if not self._pending_post_backward_nodes:
-            self.post_backward()
-
     def post_backward(self) -> None:
-        """Reduce-scatter the unsharded grads (unless accumulating) and reshard."""
+        """Reduce-scatter the unsharded grads (unless accumulating) and reshard.
+
+        Runs each time one of the group's post-backward nodes fires, as torch's: a node
+        belongs to one forward, and waiting for the nodes of every forward would hold
+        the unsharded params and grads until the end of a backward that never runs
+        the others (a forward whose output is kept without a backward; two forwards,
+        then one backward each), and, if that differs between ranks, issue
+        collectives in different orders. Idempotent: a second run in one backward
+        reduces only the grads that landed since (none for two forwards summed into one
+        loss: autograd sums a param's grads before accumulating them), and the group's
+        next pre-backward re-gathers the params first.
+        """
         self.training_state = TrainingState.POST_BACKWARD
         self._record("post_backward")
         if not self.requires_gradient_sync:
@@ -610,22 +618,15 @@ class FSDPParamGroup:
 
     def finalize_backward(self) -> None:
         """End of backward (root callback): post-backward for groups whose inputs had no
-        grad (so no node fired), then back to IDLE."""
-        if self.training_state == TrainingState.PRE_BACKWARD:
+        grad (so no node fired; a list group's module called on its own, whose
+        forward never completed), then back to IDLE."""
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.FORWARD):
             self.post_backward()
-        elif self.training_state == TrainingState.FORWARD:
-            # Ran forward but took no part in backward: nothing to reduce.
-            if self.reshard_after_backward:
-                self.reshard()
         # A backward prefetch that no pre-backward consumed (its forward was recomputed
         # after the group's post-backward, say) holds this step's values: the optimizer
         # is about to change them, so the next forward must not use it.
         if self._wait_all_gather() is not None:
             self._release_all_gather()
-        # The post-backward nodes still pending belong to forwards whose backward has
-        # not run (two forwards, then one backward each): they stay, so the last of them
-        # runs this group's post-backward once in that backward, as torch's does.
-        # Nodes of a graph dropped without a backward leave the weak set with it.
         self.training_state = TrainingState.IDLE
         self._forwarded_modules.clear()
 
@@ -633,7 +634,6 @@ class FSDPParamGroup:
         """Abandon the iteration (after an exception, or the user's call)."""
         self.training_state = TrainingState.IDLE
         self._forwarded_modules.clear()
-        self._pending_post_backward_nodes.clear()
 
     def discard_gradients(self) -> None:
         """After an exception: drop every gradient FSDP holds for the failed iteration

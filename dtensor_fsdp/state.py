@@ -224,9 +224,32 @@ class FSDPState:
             return output
         for group in self.groups:
             group.post_forward(module)
+        if any(g.is_forward_incomplete() for g in self.groups):
+            # A list group's module before the last, or called on its own: as torch's
+            # group hooks, the group's post-forward waits for its other modules (the
+            # root's post-forward completes it if they do not run).
+            return output
         if not is_in_backward():  # a recompute is not a forward of this iteration
             self.ctx.record_post_forward(self.groups)
-        return self._register_pre_backward(output)
+        output = self._register_pre_backward(output)
+        if self.is_root and not is_in_backward():
+            output = self._complete_incomplete_forwards(output)
+        return output
+
+    def _complete_incomplete_forwards(self, output: Any) -> Any:
+        """At the end of the root's forward, complete every list group whose forward ran
+        only some of its modules (torch's ``_force_complete_incomplete_states``, in the
+        same order): reshard it per ``reshard_after_forward`` and register its
+        pre-backward on the root's output, so its backward re-gathers it."""
+        for state in reversed(self.states_in_tree):
+            incomplete = [g for g in state.groups if g.is_forward_incomplete()]
+            if state is self or not incomplete:
+                continue
+            for group in incomplete:
+                group.complete_forward()
+            self.ctx.record_post_forward(state.groups)
+            output = state._register_pre_backward(output)
+        return output
 
     @_run_eagerly
     def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
@@ -249,10 +272,10 @@ class FSDPState:
         return grad
 
     @_run_eagerly
-    def post_backward(self, node: object) -> None:
+    def post_backward(self) -> None:
         # Last group first, as torch's chained per-group nodes fire.
         for group in reversed(self.groups):
-            group.on_post_backward_node(node)
+            group.post_backward()
 
     @_run_eagerly
     def finalize_backward(self) -> None:
@@ -323,13 +346,11 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
-        for group in state.groups:
-            group.register_post_backward_node(ctx)
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.post_backward(ctx)
+        ctx.state.post_backward()
         return (None, *grads)
 
 
