@@ -3,14 +3,16 @@
 - ``model.state_dict()`` returns the sharded DTensors under the original FQNs, with no
   communication and no FSDP-specific key mangling; a pre-hook reshards the group first
   (the root stays unsharded after a ``no_grad`` forward), so it never returns unsharded
-  parameters, as torch's FSDP2.
+  parameters, as torch's FSDP2. The hooks sit on every module that holds FSDP
+  parameters, as torch's, so a plain submodule's state dict (``model.out``) is sharded
+  in and out too.
 - ``model.load_state_dict(sd)`` takes sharded DTensors (any placements or mesh: they
   are redistributed) and plain full tensors (each rank keeps its own chunk: no rank
   broadcasts the model). ``FSDPModule.load_state_dict`` checks the keys and every value
   (type, meta device, shape, dtype, DTensor mesh) before it copies anything, so a bad
-  state dict leaves the model as it was (torch's raises after copying the rest). Values are copied into the sharded storage
-  in place, cast to the parameter's dtype as ``nn.Module`` and torch's FSDP2 do: the
-  zero-copy all-gather input stays intact.
+  state dict leaves the model as it was (torch's raises after copying the rest). Values
+  are copied into the sharded storage in place, cast to the parameter's dtype as
+  ``nn.Module`` and torch's FSDP2 do: the zero-copy all-gather input stays intact.
 - ``save_full_state_dict(model, path)`` writes a full, unsharded checkpoint from rank 0
   one tensor at a time (memory: the largest tensor), in the safetensors format
   (``safetensors.torch.load_file`` and transformers' ``from_pretrained`` read it; see
@@ -24,6 +26,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,44 +42,66 @@ from ._safetensors_file import (
     write_tensor,
 )
 from .param import FSDPParam
+from .param_group import FSDPParamGroup
 from .state import FSDPState, state_of
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's files are zip archives
 
 
+@dataclass(frozen=True)
+class _HeldParam:
+    """An FSDP parameter registered on a module: its group, and its name there."""
+
+    group: FSDPParamGroup
+    fsdp_param: FSDPParam
+    name: str
+
+
 def register_state_dict_hooks(state: FSDPState) -> None:
-    """Hook ``state``'s modules so their state dicts are sharded in and out."""
-    for module in state.modules:
-        module.register_state_dict_pre_hook(_reshard_before_state_dict(state))
-        module.register_load_state_dict_pre_hook(_shard_loaded_values(state, module))
-        module.register_load_state_dict_post_hook(_adopt_assigned(state))
-
-
-def _reshard_before_state_dict(state: FSDPState) -> Callable[..., None]:
-    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        for group in state.groups:
-            group.reshard()
-
-    return hook
-
-
-def _shard_loaded_values(state: FSDPState, root: nn.Module) -> Callable[..., None]:
-    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        for group in state.groups:
-            group.reshard()
-        for fsdp_param in state.fsdp_params():
+    """Hook every module that holds one of ``state``'s parameters so that its state dict
+    is sharded in and out: a plain submodule inside a group too (``model.out`` of the
+    root's group), not only the modules passed to ``fully_shard``, as torch's FSDP2
+    hooks every module with FSDP params (``FSDPParamGroup._register_state_dict_hooks``
+    and ``FSDPParam``'s post-load hook)."""
+    held: dict[int, tuple[nn.Module, list[_HeldParam]]] = {}  # by module id
+    for group in state.groups:
+        for fsdp_param in group.fsdp_params:
             for slot in fsdp_param.slots:
-                key = prefix + slot.key
-                if slot.root is root and key in state_dict:
-                    state_dict[key] = _to_sharded_value(fsdp_param, state_dict[key])
+                _, params = held.setdefault(id(slot.module), (slot.module, []))
+                params.append(_HeldParam(group, fsdp_param, slot.name))
+    for module, params in held.values():
+        groups = list({id(p.group): p.group for p in params}.values())
+        module.register_state_dict_pre_hook(_reshard_before_state_dict(groups))
+        module.register_load_state_dict_pre_hook(_shard_loaded_values(groups, params))
+        module.register_load_state_dict_post_hook(_adopt_assigned(params))
+
+
+def _reshard_before_state_dict(groups: list[FSDPParamGroup]) -> Callable[..., None]:
+    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        for group in groups:
+            group.reshard()
 
     return hook
 
 
-def _adopt_assigned(state: FSDPState) -> Callable[..., None]:
+def _shard_loaded_values(
+    groups: list[FSDPParamGroup], params: list[_HeldParam]
+) -> Callable[..., None]:
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for group in groups:
+            group.reshard()
+        for held in params:
+            key = prefix + held.name
+            if key in state_dict:
+                state_dict[key] = _to_sharded_value(held.fsdp_param, state_dict[key])
+
+    return hook
+
+
+def _adopt_assigned(params: list[_HeldParam]) -> Callable[..., None]:
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
-        for fsdp_param in state.fsdp_params():
-            _copy_assigned(fsdp_param)
+        for held in params:
+            _copy_assigned(held.fsdp_param, module, held.name)
 
     return hook
 
@@ -103,10 +128,10 @@ def _to_sharded_value(fsdp_param: FSDPParam, value: torch.Tensor) -> DTensor:
     return value.redistribute(mesh, placements)
 
 
-def _copy_assigned(fsdp_param: FSDPParam) -> None:
-    """After ``load_state_dict(assign=True)`` put a new Parameter in our slots: copy
+def _copy_assigned(fsdp_param: FSDPParam, module: nn.Module, name: str) -> None:
+    """After ``load_state_dict(assign=True)`` put a new Parameter in this slot: copy
     its values into the sharded param, which stays the registered object."""
-    assigned = fsdp_param.slots[0].module._parameters[fsdp_param.slots[0].name]
+    assigned = module._parameters.get(name)
     if assigned is fsdp_param.sharded_param or assigned is None:
         return
     with torch.no_grad():
