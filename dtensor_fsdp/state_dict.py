@@ -12,7 +12,10 @@
   (type, meta device, shape, dtype, DTensor mesh) before it copies anything, so a bad
   state dict leaves the model as it was (torch's raises after copying the rest). Values
   are copied into the sharded storage in place, cast to the parameter's dtype as
-  ``nn.Module`` and torch's FSDP2 do: the zero-copy all-gather input stays intact.
+  ``nn.Module`` and torch's FSDP2 do: the zero-copy all-gather input stays intact. With
+  ``assign=True`` the registered sharded params stay the same objects; into a model
+  built on ``meta`` they take the loaded shards, and the group's sharded buffer is
+  re-derived from them (``_take_assigned``).
 - ``save_full_state_dict(model, path)`` writes a full, unsharded checkpoint from rank 0
   one tensor at a time (memory: the largest tensor), in the safetensors format
   (``safetensors.torch.load_file`` and transformers' ``from_pretrained`` read it; see
@@ -93,25 +96,42 @@ def _shard_loaded_values(
         for held in params:
             key = prefix + held.name
             if key in state_dict:
-                state_dict[key] = _to_sharded_value(held.fsdp_param, state_dict[key])
+                state_dict[key] = _to_sharded_value(
+                    held.fsdp_param, state_dict[key], _load_device(held)
+                )
 
     return hook
 
 
 def _adopt_assigned(params: list[_HeldParam]) -> Callable[..., None]:
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
-        for held in params:
-            _copy_assigned(held.fsdp_param, module, held.name)
+        taken = [p.group for p in params if _take_assigned(p.fsdp_param, module, p.name)]
+        for group in {id(g): g for g in taken}.values():
+            # The group's last module loaded: its sharded buffer is re-derived from what
+            # the sharded params hold now. A slot still replaced belongs to a module whose
+            # post-hook runs later (an ancestor's own params), which re-derives then.
+            if not any(p.is_replaced() for p in group.fsdp_params):
+                group.reset_sharded_params()
 
     return hook
 
 
-def _to_sharded_value(fsdp_param: FSDPParam, value: torch.Tensor) -> DTensor:
+def _load_device(held: _HeldParam) -> torch.device:
+    """Where a loaded value's shard goes: with the sharded param; for one still on
+    ``meta`` (a model built on meta, loaded with ``assign=True``) where the group will
+    keep it, the mesh's device (the CPU under CPU offload)."""
+    local = held.fsdp_param.registered_local()
+    if not local.is_meta:
+        return local.device
+    return torch.device("cpu") if held.group.offload is not None else held.group.mesh_info.device
+
+
+def _to_sharded_value(fsdp_param: FSDPParam, value: torch.Tensor, device: torch.device) -> DTensor:
     """A state-dict value for this parameter, in the sharded param's placements.
 
-    A plain tensor is taken as the full parameter and this rank keeps its chunk; a
-    DTensor with other placements or another mesh is redistributed. No rank sends
-    the whole model to the others.
+    A plain tensor is taken as the full parameter and this rank keeps its chunk, on
+    ``device``; a DTensor with other placements or another mesh is redistributed. No
+    rank sends the whole model to the others.
     """
     mesh, placements = fsdp_param.layout.mesh, fsdp_param.layout.placements
     if isinstance(value, DTensor):
@@ -120,23 +140,36 @@ def _to_sharded_value(fsdp_param: FSDPParam, value: torch.Tensor) -> DTensor:
         value = value.full_tensor() if value.device_mesh != mesh else value
     if not isinstance(value, DTensor):
         value = DTensor.from_local(
-            value.to(fsdp_param._padded_shard.device),
-            mesh,
-            [Replicate()] * mesh.ndim,
-            run_check=False,
+            value.to(device), mesh, [Replicate()] * mesh.ndim, run_check=False
         )
     return value.redistribute(mesh, placements)
 
 
-def _copy_assigned(fsdp_param: FSDPParam, module: nn.Module, name: str) -> None:
-    """After ``load_state_dict(assign=True)`` put a new Parameter in this slot: copy
-    its values into the sharded param, which stays the registered object."""
+def _take_assigned(fsdp_param: FSDPParam, module: nn.Module, name: str) -> bool:
+    """After ``load_state_dict(assign=True)`` registered a new Parameter in this slot,
+    make its values the sharded param's, which stays the registered object (README,
+    differences) in every slot. Returns whether there was one.
+
+    Materialized, the values are copied into the sharded param's local tensor in place,
+    cast to its dtype. On ``meta`` there is nothing to copy into: the sharded param
+    takes the assigned local tensor (``swap_tensors``, as ``nn.Module._apply`` swaps a
+    DTensor param for ``to_empty``), and the group re-derives its sharded buffer from
+    it, as after ``to_empty`` ([Note: re-deriving the sharded state] in param_group.py).
+    """
     assigned = module._parameters.get(name)
-    if assigned is fsdp_param.sharded_param or assigned is None:
-        return
+    param = fsdp_param.sharded_param
+    if assigned is param or assigned is None:
+        return False
+    assert isinstance(assigned, DTensor), f"{fsdp_param.fqn}: the load pre-hook shards it"
     with torch.no_grad():
-        fsdp_param._sharded_local.copy_(assigned.to_local())
-    fsdp_param._register(fsdp_param.sharded_param)
+        local = assigned._local_tensor.to(fsdp_param.dtype)  # (*local_shape)
+        if fsdp_param.registered_local().is_meta:
+            adopted = nn.Parameter(fsdp_param._sharded_dtensor(local), param.requires_grad)
+            torch.utils.swap_tensors(param, adopted)
+        else:
+            fsdp_param.registered_local().copy_(local)
+    fsdp_param._register(param)
+    return True
 
 
 def validate_state_dict(
