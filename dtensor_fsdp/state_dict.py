@@ -3,14 +3,19 @@
 - ``model.state_dict()`` returns the sharded DTensors under the original FQNs, with no
   communication and no FSDP-specific key mangling; a pre-hook reshards the group first
   (the root stays unsharded after a ``no_grad`` forward), so it never returns unsharded
-  parameters, as torch's FSDP2.
+  parameters, as torch's FSDP2. The hooks sit on every module that holds FSDP
+  parameters, as torch's, so a plain submodule's state dict (``model.out``) is sharded
+  in and out too.
 - ``model.load_state_dict(sd)`` takes sharded DTensors (any placements or mesh: they
   are redistributed) and plain full tensors (each rank keeps its own chunk: no rank
   broadcasts the model). ``FSDPModule.load_state_dict`` checks the keys and every value
   (type, meta device, shape, dtype, DTensor mesh) before it copies anything, so a bad
-  state dict leaves the model as it was (torch's raises after copying the rest). Values are copied into the sharded storage
-  in place, cast to the parameter's dtype as ``nn.Module`` and torch's FSDP2 do: the
-  zero-copy all-gather input stays intact.
+  state dict leaves the model as it was (torch's raises after copying the rest). Values
+  are copied into the sharded storage in place, cast to the parameter's dtype as
+  ``nn.Module`` and torch's FSDP2 do: the zero-copy all-gather input stays intact. With
+  ``assign=True`` the registered sharded params stay the same objects; into a model
+  built on ``meta`` they take the loaded shards, and the group's sharded buffer is
+  re-derived from them (``_take_assigned``).
 - ``save_full_state_dict(model, path)`` writes a full, unsharded checkpoint from rank 0
   one tensor at a time (memory: the largest tensor), in the safetensors format
   (``safetensors.torch.load_file`` and transformers' ``from_pretrained`` read it; see
@@ -24,6 +29,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,54 +45,93 @@ from ._safetensors_file import (
     write_tensor,
 )
 from .param import FSDPParam
+from .param_group import FSDPParamGroup
 from .state import FSDPState, state_of
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's files are zip archives
 
 
+@dataclass(frozen=True)
+class _HeldParam:
+    """An FSDP parameter registered on a module: its group, and its name there."""
+
+    group: FSDPParamGroup
+    fsdp_param: FSDPParam
+    name: str
+
+
 def register_state_dict_hooks(state: FSDPState) -> None:
-    """Hook ``state``'s modules so their state dicts are sharded in and out."""
-    for module in state.modules:
-        module.register_state_dict_pre_hook(_reshard_before_state_dict(state))
-        module.register_load_state_dict_pre_hook(_shard_loaded_values(state, module))
-        module.register_load_state_dict_post_hook(_adopt_assigned(state))
-
-
-def _reshard_before_state_dict(state: FSDPState) -> Callable[..., None]:
-    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        for group in state.groups:
-            group.reshard()
-
-    return hook
-
-
-def _shard_loaded_values(state: FSDPState, root: nn.Module) -> Callable[..., None]:
-    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        for group in state.groups:
-            group.reshard()
-        for fsdp_param in state.fsdp_params():
+    """Hook every module that holds one of ``state``'s parameters so that its state dict
+    is sharded in and out: a plain submodule inside a group too (``model.out`` of the
+    root's group), not only the modules passed to ``fully_shard``, as torch's FSDP2
+    hooks every module with FSDP params (``FSDPParamGroup._register_state_dict_hooks``
+    and ``FSDPParam``'s post-load hook)."""
+    held: dict[int, tuple[nn.Module, list[_HeldParam]]] = {}  # by module id
+    for group in state.groups:
+        for fsdp_param in group.fsdp_params:
             for slot in fsdp_param.slots:
-                key = prefix + slot.key
-                if slot.root is root and key in state_dict:
-                    state_dict[key] = _to_sharded_value(fsdp_param, state_dict[key])
+                _, params = held.setdefault(id(slot.module), (slot.module, []))
+                params.append(_HeldParam(group, fsdp_param, slot.name))
+    for module, params in held.values():
+        groups = list({id(p.group): p.group for p in params}.values())
+        module.register_state_dict_pre_hook(_reshard_before_state_dict(groups))
+        module.register_load_state_dict_pre_hook(_shard_loaded_values(groups, params))
+        module.register_load_state_dict_post_hook(_adopt_assigned(params))
+
+
+def _reshard_before_state_dict(groups: list[FSDPParamGroup]) -> Callable[..., None]:
+    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        for group in groups:
+            group.reshard()
 
     return hook
 
 
-def _adopt_assigned(state: FSDPState) -> Callable[..., None]:
+def _shard_loaded_values(
+    groups: list[FSDPParamGroup], params: list[_HeldParam]
+) -> Callable[..., None]:
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for group in groups:
+            group.reshard()
+        for held in params:
+            key = prefix + held.name
+            if key in state_dict:
+                state_dict[key] = _to_sharded_value(
+                    held.fsdp_param, state_dict[key], _load_device(held)
+                )
+
+    return hook
+
+
+def _adopt_assigned(params: list[_HeldParam]) -> Callable[..., None]:
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
-        for fsdp_param in state.fsdp_params():
-            _copy_assigned(fsdp_param)
+        taken = [p.group for p in params if _take_assigned(p.fsdp_param, module, p.name)]
+        for group in {id(g): g for g in taken}.values():
+            # The group's last module loaded: its sharded buffer is re-derived from what
+            # the sharded params hold now. A slot still replaced belongs to a module whose
+            # post-hook runs later (an ancestor's own params), which re-derives then.
+            if not any(p.is_replaced() for p in group.fsdp_params):
+                group.reset_sharded_params()
 
     return hook
 
 
-def _to_sharded_value(fsdp_param: FSDPParam, value: torch.Tensor) -> DTensor:
+def _load_device(held: _HeldParam) -> torch.device:
+    """Where a loaded value's shard goes: with the sharded param; for one still on
+    ``meta`` (a model built on meta, loaded with ``assign=True``) where the group will
+    keep it, the mesh's device (the CPU under CPU offload)."""
+    local = held.fsdp_param.registered_local()
+    if not local.is_meta:
+        return local.device
+    return torch.device("cpu") if held.group.offload is not None else held.group.mesh_info.device
+
+
+def _to_sharded_value(fsdp_param: FSDPParam, value: torch.Tensor, device: torch.device) -> DTensor:
     """A state-dict value for this parameter, in the sharded param's placements.
 
-    A plain tensor is taken as the full parameter and this rank keeps its chunk; a
-    DTensor with other placements or another mesh is redistributed. No rank sends
-    the whole model to the others.
+    A plain tensor is taken as the full parameter and this rank keeps its chunk, on
+    ``device``; a DTensor with other placements or another mesh is redistributed. No
+    rank sends the whole model to the others.
     """
     mesh, placements = fsdp_param.layout.mesh, fsdp_param.layout.placements
     if isinstance(value, DTensor):
@@ -95,23 +140,36 @@ def _to_sharded_value(fsdp_param: FSDPParam, value: torch.Tensor) -> DTensor:
         value = value.full_tensor() if value.device_mesh != mesh else value
     if not isinstance(value, DTensor):
         value = DTensor.from_local(
-            value.to(fsdp_param._padded_shard.device),
-            mesh,
-            [Replicate()] * mesh.ndim,
-            run_check=False,
+            value.to(device), mesh, [Replicate()] * mesh.ndim, run_check=False
         )
     return value.redistribute(mesh, placements)
 
 
-def _copy_assigned(fsdp_param: FSDPParam) -> None:
-    """After ``load_state_dict(assign=True)`` put a new Parameter in our slots: copy
-    its values into the sharded param, which stays the registered object."""
-    assigned = fsdp_param.slots[0].module._parameters[fsdp_param.slots[0].name]
-    if assigned is fsdp_param.sharded_param or assigned is None:
-        return
+def _take_assigned(fsdp_param: FSDPParam, module: nn.Module, name: str) -> bool:
+    """After ``load_state_dict(assign=True)`` registered a new Parameter in this slot,
+    make its values the sharded param's, which stays the registered object (README,
+    differences) in every slot. Returns whether there was one.
+
+    Materialized, the values are copied into the sharded param's local tensor in place,
+    cast to its dtype. On ``meta`` there is nothing to copy into: the sharded param
+    takes the assigned local tensor (``swap_tensors``, as ``nn.Module._apply`` swaps a
+    DTensor param for ``to_empty``), and the group re-derives its sharded buffer from
+    it, as after ``to_empty`` ([Note: re-deriving the sharded state] in param_group.py).
+    """
+    assigned = module._parameters.get(name)
+    param = fsdp_param.sharded_param
+    if assigned is param or assigned is None:
+        return False
+    assert isinstance(assigned, DTensor), f"{fsdp_param.fqn}: the load pre-hook shards it"
     with torch.no_grad():
-        fsdp_param._sharded_local.copy_(assigned.to_local())
-    fsdp_param._register(fsdp_param.sharded_param)
+        local = assigned._local_tensor.to(fsdp_param.dtype)  # (*local_shape)
+        if fsdp_param.registered_local().is_meta:
+            adopted = nn.Parameter(fsdp_param._sharded_dtensor(local), param.requires_grad)
+            torch.utils.swap_tensors(param, adopted)
+        else:
+            fsdp_param.registered_local().copy_(local)
+    fsdp_param._register(param)
+    return True
 
 
 def validate_state_dict(
