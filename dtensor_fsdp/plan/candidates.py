@@ -5,7 +5,7 @@ time predicted from the baseline plan, and the choice among them (the method is 
 from dataclasses import dataclass
 
 from .report import MiB, Plan
-from .timing import Cost, step_s
+from .timing import Cost, gathered_again, step_s
 
 # Unsharded copies of a group alive at once in backward: its params, the next group's
 # (prefetched) and its unsharded grads; on gloo one more, the receive buffer of ours'
@@ -54,17 +54,22 @@ class Predictor:
     ) -> None:
         rows = {g.fqn: g for g in baseline.groups}
         self.baseline = baseline
+        # Each module's first point of each event on the timeline.
+        self.points: dict[tuple[str, str], int] = {}
+        for i, point in enumerate(baseline.timeline):
+            self.points.setdefault((point.fqn, point.event), i)
         self.block_bytes = {f: rows[f].unsharded_bytes for f in blocks}
-        self.costs = {f: Cost.of(rows[f], tflops) for f in blocks}
+        # A block the backward never reached (frozen, its input needing no grad) has no
+        # pre-backward on the timeline.
+        self.costs = {
+            f: Cost.of(rows[f], tflops, reached=(f, "pre_backward") in self.points)
+            for f in blocks
+        }
         # A root without parameters of its own has no group: nothing to gather or reduce.
         self.root = Cost.of(rows[""], tflops) if "" in rows else Cost(0, 0, 0, 0, 0, False)
         self.overhead_s = overhead_s
         self.merge_copies = MERGE_COPIES[backend]
         self.host_ahead = HOST_AHEAD[backend]
-        # Each module's first point of each event on the timeline.
-        self.points: dict[tuple[str, str], int] = {}
-        for i, point in enumerate(baseline.timeline):
-            self.points.setdefault((point.fqn, point.event), i)
 
     def group_bytes(self, group: AutoGroup) -> int:
         return sum(self.block_bytes[f] for f in group.fqns)
@@ -135,12 +140,14 @@ class Predictor:
         return forward_prefetch + self.host_ahead
 
     def collectives(self, calls: tuple[AutoGroup, ...]) -> int:
-        """Per step: each group's all-gather in forward, again in backward unless
-        kept, and its reductions (the reduce-scatter, HSDP's all-reduce); the root's."""
-        groups = [(cost, g.reshard_after_forward) for cost, g in zip(self._costs(calls), calls)]
+        """Per step: each group's all-gather in forward, again in backward unless kept
+        (or frozen out of the backward's reach, ``gathered_again``), and its reductions
+        (the reduce-scatter, HSDP's all-reduce; none when all frozen); the root's."""
+        costs = self._costs(calls)
+        again = gathered_again(costs, [not g.reshard_after_forward for g in calls])
         return sum(
-            int(cost.gathers) * (1 + resharded) + cost.reductions
-            for cost, resharded in [*groups, (self.root, False)]
+            int(cost.gathers) + int(gathered) + cost.reductions
+            for cost, gathered in [*zip(costs, again, strict=True), (self.root, False)]
         )
 
 

@@ -2,8 +2,8 @@
 peak happened and a per-module timeline) and the collectives at the c10d level.
 
 MemTracker keeps its peak and hooks in private fields and methods (checked on torch
-2.13); ``PeakTracker.restart_peak`` fails loudly if they move, rather than report a
-wrong peak.
+2.13); ``PeakTracker.restart_peak`` and ``FrozenSafeMemTracker`` fail loudly if they
+move, rather than report a wrong peak or hook a frozen parameter.
 """
 
 from dataclasses import dataclass
@@ -32,7 +32,37 @@ def _cpu_total(snapshot: dict[torch.device, dict[str, int]], key: str = "Total")
     return sum(snap.get(key, 0) for dev, snap in snapshot.items() if dev.type == "cpu")
 
 
-class PeakTracker(MemTracker):
+class _NoHook:
+    """Stands for the gradient hooks of a frozen parameter in MemTracker's table of
+    hook handles, which it removes at exit."""
+
+    def remove(self) -> None:
+        pass
+
+
+class FrozenSafeMemTracker(MemTracker):
+    """torch's MemTracker, on models with frozen parameters too (fine-tuning, LoRA).
+
+    At a module's first forward MemTracker registers gradient hooks on each of its
+    parameters that has none yet (to count its gradient), and torch refuses a hook on
+    a tensor that does not require grad. A frozen parameter gets no gradient: it is
+    entered in that table with hooks that do nothing, so MemTracker counts its bytes as
+    a parameter's and hooks the others as before.
+    """
+
+    def _track_module_params_and_buffers(
+        self, module: torch.nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
+        handles = getattr(self, "_param_to_grad_hook_handles", None)
+        if handles is None:
+            raise RuntimeError("MemTracker's grad hook table changed: update FrozenSafeMemTracker")
+        for param in module.parameters():
+            if not param.requires_grad and handles.get(param) is None:
+                handles[param] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+
+class PeakTracker(FrozenSafeMemTracker):
     """MemTracker that also records where its peak was reached (the innermost module
     running, and forward, backward or optimizer step) and a timeline of live bytes at
     each module's forward and backward boundaries."""

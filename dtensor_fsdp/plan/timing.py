@@ -22,7 +22,8 @@ prefetch of depth ``d``, when the compute of the group ``d`` before it starts (t
 root's for the first ``d``).
 Backward: the root's head runs first; a group resharded after forward is gathered
 again, issued when the group after it starts its backward (torch's implicit prefetch,
-depth 1; the root's pre-backward for the last group), a kept group is not; each group's
+depth 1; the root's pre-backward for the last group), a kept group is not, nor a frozen
+one that the backward does not reach unless that prefetch gathers it; each group's
 reductions are issued when its backward compute ends, the root's last. The optimizer
 step is the same for every grouping and is left out.
 """
@@ -49,15 +50,21 @@ class Cost:
     """Collectives per backward: the reduce-scatter, and the all-reduce with HSDP."""
     gathers: bool
     """Whether it has parameters to all-gather."""
+    reached: bool = True
+    """Whether the backward reaches it (its output needs grad). Not when its
+    parameters are frozen and its input needs no grad (a frozen first block, say): no
+    backward compute, no reduction, and no all-gather in backward unless the group
+    after it prefetches it."""
 
     @classmethod
-    def of(cls, group: GroupPlan, tflops: float) -> "Cost":
+    def of(cls, group: GroupPlan, tflops: float, reached: bool = True) -> "Cost":
         """From a group of a plan whose groups are all-gathered once in forward (and
-        again in backward if resharded after forward) and reduced once."""
+        again in backward if resharded after forward and gathered there) and reduced
+        at most once (not when its parameters are all frozen)."""
         counts = {kind: entry["count"] for kind, entry in group.collectives.items()}
         gathers = counts.get("all_gather", 0) > 0
         all_gather_s = group.comm_s.get("forward", 0.0)
-        backward_gather_s = all_gather_s if gathers and group.reshard_after_forward else 0.0
+        backward_gather_s = all_gather_s if counts.get("all_gather", 0) > 1 else 0.0
         return cls(
             forward_s=group.forward_flops / (tflops * 1e12),
             backward_s=group.backward_flops / (tflops * 1e12),
@@ -65,6 +72,7 @@ class Cost:
             reduce_s=max(0.0, group.comm_s.get("backward", 0.0) - backward_gather_s),
             reductions=counts.get("reduce_scatter", 0) + counts.get("all_reduce", 0),
             gathers=gathers,
+            reached=reached,
         )
 
     @classmethod
@@ -77,7 +85,19 @@ class Cost:
             reduce_s=sum(c.reduce_s for c in costs),
             reductions=max((c.reductions for c in costs), default=0),
             gathers=any(c.gathers for c in costs),
+            reached=any(c.reached for c in costs),
         )
+
+
+def gathered_again(groups: Sequence[Cost], kept: Sequence[bool]) -> list[bool]:
+    """Which groups are all-gathered again in backward: those resharded after forward
+    that the backward reaches, or that the group after them (the root, for the last)
+    prefetches at its pre-backward, which the backward reaches."""
+    last = len(groups) - 1
+    return [
+        g.gathers and not kept[i] and (g.reached or i == last or groups[i + 1].reached)
+        for i, g in enumerate(groups)
+    ]
 
 
 class _Clock:
@@ -137,15 +157,16 @@ def step_s(
 
     # Backward: a resharded group's all-gather is issued at the pre-backward of the one
     # after it (the root's for the last), so it is always issued before it is awaited.
+    again = gathered_again(groups, kept)
     regathered: dict[int, float] = {}
     last = len(groups) - 1
-    if groups and not kept[last]:
+    if groups and again[last]:
         regathered[last] = gather(last)
     clock.compute(root.backward_s)
     for i in reversed(range(len(groups))):
-        if not kept[i]:
+        if again[i]:
             clock.wait(regathered.pop(i))
-        if i > 0 and not kept[i - 1]:
+        if i > 0 and again[i - 1]:
             regathered[i - 1] = gather(i - 1)
         clock.compute(groups[i].backward_s)
         clock.issue(groups[i].reduce_s, groups[i].reductions)

@@ -3,15 +3,18 @@ verifying simulation, cut collectives against one group per block, follow the ti
 model (fixed costs merge groups, bytes split them), keep the root's parameters,
 explain every choice, and bad input fails early and clearly."""
 
+import functools
 import json
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
-from dtensor_fsdp import AutoPlan, auto_shard
+from dtensor_fsdp import AutoPlan, auto_shard, plan
 from dtensor_fsdp.models.block_stack import BlockStack
 from dtensor_fsdp.plan import AutoGroup, candidates
+from dtensor_fsdp.plan.auto import apply_calls
 from dtensor_fsdp.plan.candidates import Choice, Predictor, calls_of, fastest
 
 N_BLOCKS, DIM, BATCH = 8, 16, 8
@@ -150,6 +153,56 @@ def test_predicted_collectives_are_the_simulated_ones(replicate: int) -> None:
         assert predictor.collectives(calls_of(blocks, N_BLOCKS, frozenset())) == _total(
             auto.baseline
         )
+
+
+def _frozen_stack(*frozen: int) -> Callable[[], nn.Module]:
+    """``BlockStack`` with the blocks ``frozen`` frozen, as a fine-tuning job does."""
+
+    def build() -> nn.Module:
+        model = BlockStack(N_BLOCKS, DIM)
+        for i in frozen:
+            model.blocks[i].requires_grad_(False)
+        return model
+
+    return build
+
+
+def _auto_frozen(budget_bytes: int, frozen: tuple[int, ...]) -> AutoPlan:
+    return auto_shard(
+        _frozen_stack(*frozen),
+        budget_bytes=budget_bytes,
+        world_size=2,
+        batch=lambda: torch.randn(BATCH, DIM),
+    )
+
+
+@pytest.mark.parametrize("frozen", [(0, 1, 2), (3,)], ids=["prefix", "middle"])
+def test_frozen_blocks(frozen: tuple[int, ...]) -> None:
+    """Fine-tuning: a frozen block is all-gathered but not reduce-scattered. The
+    backward does not reach a frozen prefix (the batch needs no grad), whose groups are
+    gathered again only when the group after them prefetches them: the predicted
+    collectives are still the simulated ones, of the chosen calls, of one group per
+    block, and of pairs (blocks 0 and 1, frozen, gathered again as the prefetch of
+    blocks 2 and 3's backward, which block 3 reaches); the chosen calls fit."""
+    blocks = [f"blocks.{i}" for i in range(N_BLOCKS)]
+    roomy = _auto_frozen(2**30, frozen)
+    tight = _auto_frozen(int(1.1 * roomy.baseline.peak_bytes), frozen)
+    pairs = calls_of(blocks, N_BLOCKS // 2, frozenset())
+    paired = plan(
+        _frozen_stack(*frozen),
+        world_size=2,
+        batch=lambda: torch.randn(BATCH, DIM),
+        shard_fn=functools.partial(apply_calls, groups=pairs),
+    )
+    predictor = Predictor(roomy.baseline, blocks, 400.0, 50e-6, "nccl")
+    assert predictor.collectives(pairs) == _total(paired)
+    for auto in (roomy, tight):
+        assert auto.plan.peak_bytes <= auto.budget_bytes
+        assert predictor.collectives(auto.groups) == _total(auto.plan)
+    assert predictor.collectives(calls_of(blocks, N_BLOCKS, frozenset())) == _total(roomy.baseline)
+    for group in roomy.baseline.groups:
+        frozen_group = group.fqn in {f"blocks.{i}" for i in frozen}
+        assert ("reduce_scatter" not in group.collectives) == frozen_group, group.fqn
 
 
 def test_a_short_prediction_is_chosen_again(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -77,6 +78,52 @@ def test_collectives_per_group(adamw_plan: Plan) -> None:
     assert (
         adamw_plan.forward_flops > 0 and adamw_plan.backward_flops == 2 * adamw_plan.forward_flops
     )
+
+
+def _frozen(*fqns: str) -> Callable[[], nn.Module]:
+    """The tiny Llama with the modules ``fqns`` frozen, as a fine-tuning job does."""
+
+    def build() -> nn.Module:
+        model = Llama(CONFIG)
+        for fqn in fqns:
+            model.get_submodule(fqn).requires_grad_(False)
+        return model
+
+    return build
+
+
+@pytest.mark.parametrize(
+    "frozen",
+    [("layers.0",), ("tok_embeddings",), ("tok_embeddings", "layers.0")],
+    ids=["block", "embedding", "prefix"],
+)
+def test_frozen_params_are_gathered_not_reduced(frozen: tuple[str, ...]) -> None:
+    """Fine-tuning: each group all-gathers all its params as before (a frozen block
+    not reached by the backward, the prefix's layers.0, is gathered again as the
+    prefetch of layers.1's backward), reduce-scatters only those with a gradient, and
+    not at all when it has none; no gradient or optimizer state for frozen params."""
+    full, tuned = _plan(), plan(
+        _frozen(*frozen),
+        world_size=4,
+        batch=lambda: torch.randint(0, CONFIG.vocab_size, (2, 33)),
+        loss_fn=_loss,
+    )
+    # W=4 divides every dim 0 of the tiny Llama: no padding, shards are a quarter.
+    frozen_bytes = {
+        fqn: sum(p.numel() * 4 for p in _frozen()().get_submodule(fqn).parameters())
+        for fqn in frozen
+    }
+    group_of = {"layers.0": "layers.0", "tok_embeddings": ""}
+    for before, after in zip(full.groups, tuned.groups, strict=True):
+        assert after.collectives["all_gather"] == before.collectives["all_gather"]
+        rs_bytes = before.collectives["reduce_scatter"]["bytes"] - sum(
+            nbytes for fqn, nbytes in frozen_bytes.items() if group_of[fqn] == after.fqn
+        )
+        expected = {"count": 1, "bytes": rs_bytes} if rs_bytes else None
+        assert after.collectives.get("reduce_scatter") == expected, after.fqn
+    assert full.sharded_grad_bytes - tuned.sharded_grad_bytes == sum(frozen_bytes.values()) // 4
+    assert tuned.optimizer_state_bytes < full.optimizer_state_bytes
+    assert tuned.peak_bytes < full.peak_bytes
 
 
 def test_to_json_and_table(adamw_plan: Plan) -> None:

@@ -3,12 +3,14 @@ two groups under a root: what forward prefetch hides, what a kept group saves, w
 merging pays (fixed costs) and when it does not (bytes exposed), and the costs read
 from a simulated plan."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from dtensor_fsdp import plan
 from dtensor_fsdp.models.block_stack import BlockStack
-from dtensor_fsdp.plan.timing import Cost, step_s
+from dtensor_fsdp.plan.timing import Cost, gathered_again, step_s
 
 # Times in arbitrary units (the model is linear in them): the root gathers 1 and reduces
 # 1 with no compute of its own; each block computes 10 forward and 20 backward, gathers
@@ -69,6 +71,21 @@ def test_merging_pays_for_fixed_costs_not_for_bytes() -> None:
     assert step_s(ROOT, [merged], [False], 0, 10.0) < step_s(
         ROOT, [BLOCK, BLOCK], [False, False], 0, 10.0
     )
+
+
+def test_a_frozen_group_the_backward_does_not_reach() -> None:
+    """Frozen blocks first, the batch needing no grad: the backward reaches neither; the
+    second is gathered again as the prefetch of the third's backward, the first is
+    not, so resharding it costs what keeping it does."""
+    frozen = dataclasses.replace(BLOCK, backward_s=0, reduce_s=0, reductions=0, reached=False)
+    groups = [frozen, frozen, BLOCK]
+    assert gathered_again(groups, [False] * 3) == [False, True, True]
+    assert gathered_again(groups, [False, True, False]) == [False, False, True]
+    assert step_s(ROOT, groups, [False] * 3, 0, OVERHEAD) == step_s(
+        ROOT, groups, [True, False, False], 0, OVERHEAD
+    )
+    assert Cost.merged(groups[:2]).reached is False
+    assert Cost.merged(groups[1:]).reached is True
 
 
 def test_no_communication_is_the_compute() -> None:
