@@ -97,6 +97,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from _bench_dist import reduce_over_ranks  # same directory
 from _bench_report import build_results, print_report  # same directory
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -505,9 +506,8 @@ def time_rounds(
                 if round_index >= args.warmup:
                     times[impl.name].append(elapsed)
     for name, values in times.items():
-        slowest = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-        times[name] = slowest.tolist()
+        # A step lasts as long as its slowest rank.
+        times[name] = reduce_over_ranks(values, dist.ReduceOp.MAX)
     return times, losses
 
 
