@@ -33,11 +33,11 @@ import json
 import statistics
 import weakref
 
-import torch
 import torch.distributed as dist
+from _bench_dist import reduce_over_ranks  # same directory
+from _bench_report import MiB  # same directory
 from bench_train import (  # same directory
     Impl,
-    MiB,
     batch_for_step,
     build_config,
     build_impl,
@@ -135,20 +135,19 @@ def timed(impls: list[Impl], config, args, device):
     times, losses = time_rounds(
         impls, config, argparse.Namespace(**{**vars(args), "warmup": 0}), device
     )
-    exposed = torch.tensor(
+    exposed = reduce_over_ranks(
         [traces[n].summary(args.steps)["reduce_scatter"]["exposed_s"] for n in traces],
-        dtype=torch.float64,
+        dist.ReduceOp.MAX,
     )
-    dist.all_reduce(exposed, op=dist.ReduceOp.MAX)
-    return times, losses, dict(zip(traces, exposed.tolist(), strict=True))
+    return times, losses, dict(zip(traces, exposed, strict=True))
 
 
 def main() -> None:
     args = parse_args()
     device = init_distributed(args.device)
-    if device.type != "cpu":
-        raise SystemExit("bench_inflight measures memory with MemTracker: CPU only")
     try:
+        if device.type != "cpu":  # inside the try: the group is destroyed on the way out
+            raise SystemExit("bench_inflight measures memory with MemTracker: pass --device cpu")
         config = build_config(args)
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         names = [f"ours-{k}" for k in IN_FLIGHT] + ["torch"]

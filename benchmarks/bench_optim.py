@@ -47,7 +47,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from bench_train import init_distributed  # same directory
+from _bench_dist import reduce_over_ranks  # same directory
+from bench_train import init_distributed, sync  # same directory
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -101,15 +102,16 @@ def tokens_for(step: int, config: LlamaConfig, args: argparse.Namespace, device:
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds of ``fn()`` on the slowest rank, after a barrier."""
+    """Seconds of ``fn()`` on the slowest rank, after a barrier. On CUDA the device is
+    drained before the clock starts (no earlier kernel is counted) and after ``fn``
+    (none of its kernels is missed)."""
     dist.barrier()
+    sync(device)
     start = time.perf_counter()
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+    sync(device)
+    elapsed = time.perf_counter() - start
+    return reduce_over_ranks([elapsed], dist.ReduceOp.MAX)[0]
 
 
 def rotated(items: dict, round_: int) -> list:
@@ -194,9 +196,7 @@ def bench_step(model: Llama, variant: str, args: argparse.Namespace, device: tor
 
 
 def all_ranks(flag: bool) -> bool:
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return bool(value.item())
+    return reduce_over_ranks([float(flag)], dist.ReduceOp.MIN)[0] == 1.0
 
 
 # Part 2: clipping #

@@ -30,7 +30,9 @@ Method, in four phases (the third optional):
    *Peak memory* is the peak of live tensor memory during step 2, counted from before
    the model was built, so it includes parameters, gradients, optimizer states, DDP's
    gradient buckets, all-gather buffers and activations. On CUDA it is
-   ``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` before the build. On
+   ``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` before the build,
+   with cuBLAS warmed up first (``warm_up_cublas``: its workspaces would count against
+   whichever impl ran its first matmul). On
    CPU it is ``torch.distributed._tools.mem_tracker.MemTracker`` (a ``TorchDispatchMode``
    that follows every storage created under it through a weakref, and storage resizes),
    entered before the model is built, with its peak restarted at the start of step 2.
@@ -97,6 +99,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from _bench_dist import reduce_over_ranks  # same directory
 from _bench_report import build_results, print_report  # same directory
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -383,6 +386,24 @@ class Isolated:
     trace_summary: dict[str, Any] | None = None
 
 
+def warm_up_cublas(device: torch.device) -> None:
+    """Have cuBLAS allocate its workspaces now, before any impl's memory is counted.
+
+    cuBLAS takes a workspace (32 MiB on Hopper) from the caching allocator at the first
+    matmul of each handle and stream, and keeps it for the process. Forward matmuls run
+    on this thread's handle, backward ones on the autograd device thread's: without this
+    warm-up the impl measured first would carry both (64 MiB) in its peak and states,
+    and the others none. A matmul with a bias too, in case cuBLASLt (addmm) keeps its
+    own workspace. Constant inputs: no random number is drawn.
+    """
+    x = torch.ones(8, 64, device=device, requires_grad=True)  # (batch, in)
+    weight = torch.ones(64, 64, device=device, requires_grad=True)  # (out, in)
+    bias = torch.ones(64, device=device, requires_grad=True)
+    torch.nn.functional.linear(x, weight).sum().backward()
+    torch.nn.functional.linear(x, weight, bias).sum().backward()
+    sync(device)
+
+
 def measure_memory(
     impl_factory: Callable[[], Impl],
     config: LlamaConfig,
@@ -392,6 +413,7 @@ def measure_memory(
     """Build the impl, take a warmup step, and measure the next step's live bytes at
     its start, its peak, and its peak without all-to-all receive buffers."""
     if device.type == "cuda":
+        warm_up_cublas(device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(device)
         impl = impl_factory()
@@ -505,9 +527,8 @@ def time_rounds(
                 if round_index >= args.warmup:
                     times[impl.name].append(elapsed)
     for name, values in times.items():
-        slowest = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-        times[name] = slowest.tolist()
+        # A step lasts as long as its slowest rank.
+        times[name] = reduce_over_ranks(values, dist.ReduceOp.MAX)
     return times, losses
 
 
