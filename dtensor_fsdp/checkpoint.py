@@ -103,6 +103,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -127,6 +128,7 @@ from ._checkpoint_files import (
     write_extra,
     write_marker,
 )
+from .error_feedback import drop_unsaved_residuals
 
 __all__ = [
     "EXTRA_FILE",
@@ -434,6 +436,10 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizers | None) -
     try:
         staged = _agree("load_checkpoint: staging", lambda: _staging_state_dict(model, optimizer))
         reader = SafeReader(path, set(marker["files"]))
+        _agree(
+            "load_checkpoint: matching error-feedback residuals",
+            lambda: _drop_unsaved_residuals(staged["model"], reader),
+        )
         _dcp(
             f"load_checkpoint: reading {path}",
             lambda: dcp.load(staged, storage_reader=reader, planner=SafeLoadPlanner()),
@@ -477,6 +483,18 @@ def _staging_copy(tree: Any) -> Any:
     if isinstance(tree, list):
         return [_staging_copy(value) for value in tree]
     return tree  # numbers, strings, tuples: immutable, and DCP replaces them whole
+
+
+def _drop_unsaved_residuals(model_state: dict[str, Any], reader: SafeReader) -> None:
+    """Residuals the checkpoint lacks (saved without error feedback, or at another data
+    parallel world size) restart at zero instead of failing the load; see [Note:
+    error-feedback residuals in state dicts] in error_feedback.py."""
+    saved = {
+        key: entry.size
+        for key, entry in reader.read_metadata().state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+    drop_unsaved_residuals(model_state, saved, prefix="model.")
 
 
 def _load_staged(model: nn.Module, optimizer: Optimizers | None, staged: dict[str, Any]) -> None:
