@@ -212,6 +212,46 @@ def _keys() -> dict[str, list[str]]:
     return out
 
 
+def _residual_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.to_local().clone() for k, v in model.state_dict().items() if k in EF_KEYS}
+
+
+def _bad_residual(dp: tuple[int, int]) -> dict[str, Any]:
+    """A residual of another data-parallel world size (4 rows) is refused whole: the
+    model's params and residuals stay as they were."""
+    model, optim = _sharded()
+    _train(model, optim, range(1), dp)
+    before = _record(model, [])
+    state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    state[EF_KEYS[0]] = torch.zeros(4, *state[EF_KEYS[0]].shape[1:])
+    state["0.weight"] = torch.ones_like(state["0.weight"])
+    try:
+        model.load_state_dict(state)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    return {"error": error, "before": before, "after": _record(model, [])}
+
+
+def _residuals_without_error_feedback(dp: tuple[int, int]) -> dict[str, Any]:
+    """A state dict with residuals loads strictly into a model without error
+    feedback: the params load, the residuals are ignored with a warning."""
+    model, optim = _sharded()
+    _train(model, optim, range(1), dp)
+    state = model.state_dict()
+    other, _ = _sharded(NO_EF)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other.load_state_dict(state)
+    return {
+        "warnings": [str(w.message) for w in caught if "error-feedback" in str(w.message)],
+        "equal": all(
+            torch.equal(p.to_local(), q.to_local())
+            for p, q in zip(model.parameters(), other.parameters(), strict=True)
+        ),
+    }
+
+
 def _worker(rank: int, world_size: int, tmp: str) -> dict:
     dp = (rank, world_size)
     shard_1 = {"shard_placement_fn": lambda p: Shard(1) if p.ndim == 2 else Shard(0)}
@@ -222,6 +262,8 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
         "no_ef_checkpoint": lambda: _resumed(
             dp, os.path.join(tmp, "no_ef"), "checkpoint", first=NO_EF
         ),
+        "bad_residual": lambda: _bad_residual(dp),
+        "without_error_feedback": lambda: _residuals_without_error_feedback(dp),
         "shard_1_uninterrupted": lambda: _uninterrupted(dp, **shard_1),
         "shard_1_checkpoint": lambda: _resumed(
             dp, os.path.join(tmp, "shard_1"), "checkpoint", **shard_1
@@ -232,13 +274,34 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     return run_scenarios(scenarios)
 
 
+def _other_world_size(dp: tuple[int, int], path: str, mesh: Any) -> dict[str, Any]:
+    """Load the W=2 run's checkpoint (2 residual rows) at a data-parallel world size
+    of 4: the residuals restart at zero, with a warning, and training goes on."""
+    model, optim = _sharded(mesh=mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _load_checkpoint(path, model, optim)
+    zero = all(not r.any() for r in _residual_values(model).values())
+    return {
+        "warnings": [str(w.message) for w in caught if "error-feedback" in str(w.message)],
+        "zero": zero,
+        "losses": _train(model, optim, range(RESUME_AT, STEPS), dp),
+    }
+
+
 def _hsdp_worker(rank: int, world_size: int, tmp: str) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     dp = (rank, world_size)  # mesh rank (r, s) is data-parallel rank 2 r + s
+    hsdp_path = os.path.join(tmp, "hsdp")
     return run_scenarios(
         {
             "uninterrupted": lambda: _uninterrupted(dp, mesh=mesh),
-            "dcp_get_state_dict": lambda: _resumed(dp, tmp, "dcp_get_state_dict", mesh=mesh),
+            "dcp_get_state_dict": lambda: _resumed(
+                dp, hsdp_path, "dcp_get_state_dict", mesh=mesh
+            ),
+            "other_world_size": lambda: _other_world_size(
+                dp, os.path.join(tmp, "checkpoint"), mesh
+            ),
         }
     )
 
@@ -249,14 +312,18 @@ def _hsdp_worker(rank: int, world_size: int, tmp: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    tmp = str(tmp_path_factory.mktemp("ef_checkpoints"))
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("ef_checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def run(tmp: str) -> list[dict]:
     return run_distributed(_worker, WORLD_SIZE, tmp, timeout=240)
 
 
 @pytest.fixture(scope="module")
-def hsdp_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    tmp = str(tmp_path_factory.mktemp("ef_hsdp"))
+def hsdp_run(run: list[dict], tmp: str) -> list[dict]:
+    # After `run`: its W=2 checkpoint is loaded here at a data-parallel world size of 4.
     return run_distributed(_hsdp_worker, 4, tmp, timeout=240)
 
 
@@ -274,10 +341,10 @@ def test_resume_is_bitwise_the_uninterrupted_run(run, route):
     for rank, (reference, resumed) in enumerate(
         zip(references, scenario_records(run, route), strict=True)
     ):
+        _assert_bitwise(reference, resumed, rank)
         assert len(reference["residuals"]) == len(EF_KEYS)
         # The residuals are not zero (else a restart at zero would pass too).
         assert all(r.abs().max() > 0 for r in reference["residuals"].values())
-        _assert_bitwise(reference, resumed, rank)
         assert resumed["warnings"] == []
 
 
@@ -323,5 +390,31 @@ def test_hsdp_resume_is_bitwise(hsdp_run):
             strict=True,
         )
     ):
-        assert all(r.abs().max() > 0 for r in reference["residuals"].values())
         _assert_bitwise(reference, resumed, rank)
+        assert all(r.abs().max() > 0 for r in reference["residuals"].values())
+
+
+def test_residual_of_another_world_size_is_refused_whole(run):
+    for record in scenario_records(run, "bad_residual"):
+        assert record["error"] is not None
+        assert "nothing was loaded" in record["error"]
+        assert f"'{EF_KEYS[0]}': shape (4, 48, 20), expected (2, 48, 20)" in record["error"]
+        assert "another data-parallel world size" in record["error"]
+        _assert_bitwise(record["before"], record["after"], 0)
+
+
+def test_residuals_ignored_with_a_warning_without_error_feedback(run):
+    for record in scenario_records(run, "without_error_feedback"):
+        assert record["equal"]
+        # One warning per fully_shard module, naming its residuals.
+        assert all("ignored" in w for w in record["warnings"])
+        assert all(any(key in w for w in record["warnings"]) for key in EF_KEYS)
+
+
+def test_checkpoint_at_another_world_size_restarts_residuals_at_zero(hsdp_run):
+    for record in scenario_records(hsdp_run, "other_world_size"):
+        assert record["zero"]
+        assert len(record["warnings"]) == 1
+        assert "restart at zero" in record["warnings"][0]
+        assert all(key in record["warnings"][0] for key in EF_KEYS)
+        assert len(record["losses"]) == STEPS - RESUME_AT
