@@ -30,6 +30,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -57,11 +58,14 @@ class ErrorFeedback:
         """``fsdp_param``'s residual, zeros the first time."""
         if fsdp_param not in self._residuals:
             # Row r: the error of this rank's contribution to rank r's shard.
-            self._residuals[fsdp_param] = torch.zeros(
+            zeros = torch.zeros(
                 (fsdp_param.geometry.world_size, fsdp_param.padded_shard_numel),
                 dtype=torch.float32,
                 device=fsdp_param.compute_device,
             )
+            if zeros.is_meta:
+                return zeros  # a state dict before to_empty: not kept, it has no storage
+            self._residuals[fsdp_param] = zeros
         return self._residuals[fsdp_param]
 
     def residuals(
@@ -98,7 +102,7 @@ def residual_state(fsdp_param: FSDPParam, residual: torch.Tensor) -> DTensor:
     )
 
 
-def residual_layout(fsdp_param: FSDPParam) -> tuple[Any, tuple[Placement, ...]]:
+def residual_layout(fsdp_param: FSDPParam) -> tuple[DeviceMesh, tuple[Placement, ...]]:
     """The mesh and placements of ``fsdp_param``'s residual state: the sharded param's
     mesh, ``Shard(0)`` on its data-parallel axes (one row per data-parallel rank), its
     tensor-parallel placements on the others, one dim to the right."""

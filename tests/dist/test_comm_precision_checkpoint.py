@@ -11,10 +11,12 @@ local params, residuals): the arithmetic after the load is the same.
 Routes users take: torch DCP of ``model.state_dict()`` (optimizer through
 ``get_optimizer_state_dict``), DCP of ``get_state_dict(model, optim)`` (which walks every
 key as an attribute path), torch's full state dicts (plain tensors, no DCP), and
-``dtensor_fsdp.checkpoint``. Also: a checkpoint without residuals restarts them at zero
-with a warning (bitwise the run that switched error feedback on at the checkpoint), a
-``Shard(1)`` layout, HSDP (2 x 2: rows over both data-parallel axes), and the keys: torch's
-``fully_shard``'s exactly unless error feedback is on.
+``dtensor_fsdp.checkpoint``. Also ``Shard(1)``, HSDP (2 x 2: rows over both data
+parallel axes) and FSDP x TP (2 x 2); a checkpoint without residuals restarts them at
+zero with a warning (bitwise the run that switched error feedback on at the checkpoint),
+as one of another data-parallel world size does; ``load_state_dict`` refuses a residual
+of the wrong size whole and ignores residuals, with a warning, where error feedback is
+off; and the keys are torch's ``fully_shard``'s exactly unless error feedback is on.
 
 torch's ``fully_shard`` has no quantized communication: the references are our own
 uninterrupted runs, and torch's ``fully_shard`` for the state-dict keys.
@@ -37,9 +39,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from dtensor_fsdp import CommPrecisionPolicy, fully_shard
 from dtensor_fsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -54,7 +61,6 @@ EF = CommPrecisionPolicy(
 NO_EF = CommPrecisionPolicy(all_gather="int8", reduce_scatter="int8", block_size=64)
 # The default filter quantizes the 2-D params: each Linear's weight. Linear(64, 9)'s 9
 # rows are uneven over 2 ranks: its residual rows carry padding, dropped in the state.
-EF_PARAMS = ["0.weight", "2.weight", "4.weight"]
 EF_KEYS = [
     "0._fsdp_error_feedback.weight",
     "2._fsdp_error_feedback.weight",
@@ -70,9 +76,14 @@ def _build() -> nn.Sequential:
 
 
 def _sharded(
-    policy: CommPrecisionPolicy | None = EF, shard: Callable = fully_shard, **kwargs: Any
+    policy: CommPrecisionPolicy | None = EF,
+    shard: Callable = fully_shard,
+    tp_mesh: DeviceMesh | None = None,
+    **kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = _build()
+    if tp_mesh is not None:  # Linear 0 column-, Linear 2 row-parallel; the root's plain
+        parallelize_module(model, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     shard(model[0], **kwargs)
     shard(model[2], **kwargs)
     shard(model, **kwargs)
@@ -292,12 +303,18 @@ def _other_world_size(dp: tuple[int, int], path: str, mesh: Any) -> dict[str, An
 def _hsdp_worker(rank: int, world_size: int, tmp: str) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     dp = (rank, world_size)  # mesh rank (r, s) is data-parallel rank 2 r + s
-    hsdp_path = os.path.join(tmp, "hsdp")
+    tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = {"mesh": tp_mesh["dp"], "tp_mesh": tp_mesh["tp"]}
+    tp_dp = (rank // 2, 2)  # both TP ranks of a data-parallel rank see its batch
     return run_scenarios(
         {
             "uninterrupted": lambda: _uninterrupted(dp, mesh=mesh),
             "dcp_get_state_dict": lambda: _resumed(
-                dp, hsdp_path, "dcp_get_state_dict", mesh=mesh
+                dp, os.path.join(tmp, "hsdp"), "dcp_get_state_dict", mesh=mesh
+            ),
+            "tp_uninterrupted": lambda: _uninterrupted(tp_dp, **tp),
+            "tp_checkpoint": lambda: _resumed(
+                tp_dp, os.path.join(tmp, "tp"), "checkpoint", **tp
             ),
             "other_world_size": lambda: _other_world_size(
                 dp, os.path.join(tmp, "checkpoint"), mesh
@@ -418,3 +435,18 @@ def test_checkpoint_at_another_world_size_restarts_residuals_at_zero(hsdp_run):
         assert "restart at zero" in record["warnings"][0]
         assert all(key in record["warnings"][0] for key in EF_KEYS)
         assert len(record["losses"]) == STEPS - RESUME_AT
+
+
+def test_tensor_parallel_resume_is_bitwise(hsdp_run):
+    """FSDP x TP (2 x 2): the residual rows are over the data-parallel axis, and TP
+    shards them as the params (Linear 0 by rows, Linear 2 by columns)."""
+    for rank, (reference, resumed) in enumerate(
+        zip(
+            scenario_records(hsdp_run, "tp_uninterrupted"),
+            scenario_records(hsdp_run, "tp_checkpoint"),
+            strict=True,
+        )
+    ):
+        _assert_bitwise(reference, resumed, rank)
+        assert len(reference["residuals"]) == len(EF_KEYS)
+        assert all(r.abs().max() > 0 for r in reference["residuals"].values())
