@@ -434,11 +434,9 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizers | None) -
     optimizers = _as_list(optimizer)
     fresh = [o for o in optimizers if not o.state]
     try:
-        staged = _agree("load_checkpoint: staging", lambda: _staging_state_dict(model, optimizer))
         reader = SafeReader(path, set(marker["files"]))
-        _agree(
-            "load_checkpoint: matching error-feedback residuals",
-            lambda: _drop_unsaved_residuals(staged["model"], reader),
+        staged = _agree(
+            "load_checkpoint: staging", lambda: _staging_state_dict(model, optimizer, reader)
         )
         _dcp(
             f"load_checkpoint: reading {path}",
@@ -467,10 +465,22 @@ def _as_list(optimizer: Optimizers | None) -> list[torch.optim.Optimizer]:
     return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
 
 
-def _staging_state_dict(model: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
+def _staging_state_dict(
+    model: nn.Module, optimizer: Optimizers | None, reader: SafeReader
+) -> dict[str, Any]:
     """A state dict of the model and optimizer for ``dcp.load`` to read into, sharing no
-    tensor with them; see [Note: atomic checkpoint load]."""
-    return _staging_copy(_state_dict(model, optimizer))
+    tensor with them (see [Note: atomic checkpoint load]), less the error-feedback
+    residuals the checkpoint does not hold at their size: those restart at zero instead
+    of failing the load (saved without error feedback, or at another data-parallel world
+    size; see [Note: error-feedback residuals in state dicts] in error_feedback.py)."""
+    staged = _staging_copy(_state_dict(model, optimizer))
+    saved = {
+        key: entry.size
+        for key, entry in reader.read_metadata().state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+    drop_unsaved_residuals(staged["model"], saved, prefix="model.")
+    return staged
 
 
 def _staging_copy(tree: Any) -> Any:
@@ -483,18 +493,6 @@ def _staging_copy(tree: Any) -> Any:
     if isinstance(tree, list):
         return [_staging_copy(value) for value in tree]
     return tree  # numbers, strings, tuples: immutable, and DCP replaces them whole
-
-
-def _drop_unsaved_residuals(model_state: dict[str, Any], reader: SafeReader) -> None:
-    """Residuals the checkpoint lacks (saved without error feedback, or at another data
-    parallel world size) restart at zero instead of failing the load; see [Note:
-    error-feedback residuals in state dicts] in error_feedback.py."""
-    saved = {
-        key: entry.size
-        for key, entry in reader.read_metadata().state_dict_metadata.items()
-        if isinstance(entry, TensorStorageMetadata)
-    }
-    drop_unsaved_residuals(model_state, saved, prefix="model.")
 
 
 def _load_staged(model: nn.Module, optimizer: Optimizers | None, staged: dict[str, Any]) -> None:
