@@ -356,10 +356,9 @@ def save_full_state_dict(module: nn.Module, path: str, *, format: str = "safeten
     """Write ``module``'s full (unsharded) state dict to ``path``, from rank 0.
 
     Every rank must call it: each tensor is all-gathered, one at a time. Error-feedback
-    residuals (``CommPrecisionPolicy.error_feedback``) are left out: training state,
-    not weights. The file
-    appears atomically (written to ``path.tmp``, then renamed): a crash mid-write leaves
-    no file at ``path``. If rank 0 cannot write (a full disk, a missing directory), it
+    residuals (``CommPrecisionPolicy.error_feedback``) are left out: training state, not
+    weights. The file appears atomically (written to ``path.tmp``, then renamed): a crash
+    mid-write leaves no file at ``path``. If rank 0 cannot write (a full disk, a missing directory), it
     keeps joining the gathers, removes ``path.tmp``, and every rank raises the same
     ``RuntimeError`` once the last tensor is gathered: no rank waits for a rank that
     failed.

@@ -48,7 +48,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dtensor_fsdp import CommPrecisionPolicy, fully_shard
+from dtensor_fsdp import (
+    CommPrecisionPolicy,
+    fully_shard,
+    load_full_state_dict,
+    save_full_state_dict,
+)
 from dtensor_fsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tests._harness import run_distributed, run_scenarios, scenario_records
 
@@ -215,11 +220,14 @@ def _resumed(
     return record
 
 
-def _keys() -> dict[str, list[str]]:
-    """The state-dict keys of torch's fully_shard and of ours per policy."""
+def _keys(path: str) -> dict[str, list[str]]:
+    """The state-dict keys of torch's fully_shard and of ours per policy, and of our
+    full export with error feedback (the weights only)."""
     out = {"torch": sorted(_sharded(None, torch_fully_shard)[0].state_dict())}
     for name, policy in (("none", None), ("no_ef", NO_EF), ("ef", EF)):
         out[name] = sorted(_sharded(policy)[0].state_dict())
+    save_full_state_dict(_sharded(EF)[0], path)
+    out["ef_export"] = sorted(load_full_state_dict(path))
     return out
 
 
@@ -267,7 +275,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     dp = (rank, world_size)
     shard_1 = {"shard_placement_fn": lambda p: Shard(1) if p.ndim == 2 else Shard(0)}
     scenarios: dict[str, Callable[[], Any]] = {
-        "keys": _keys,
+        "keys": lambda: _keys(os.path.join(tmp, "export.safetensors")),
         "uninterrupted": lambda: _uninterrupted(dp),
         "no_ef_uninterrupted": lambda: _uninterrupted(dp, first=NO_EF),
         "no_ef_checkpoint": lambda: _resumed(
@@ -397,6 +405,7 @@ def test_state_dict_keys_are_torch_unless_error_feedback_is_on(run):
         assert keys["none"] == keys["torch"]
         assert keys["no_ef"] == keys["torch"]
         assert keys["ef"] == sorted(keys["torch"] + EF_KEYS)
+        assert keys["ef_export"] == keys["torch"]
 
 
 def test_hsdp_resume_is_bitwise(hsdp_run):
