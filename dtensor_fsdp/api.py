@@ -138,7 +138,9 @@ class CommPrecisionPolicy:
             step's gradient before quantizing (error compensation), so the error does not
             accumulate in the weights. Covers the shard-axis reduce-scatter (not HSDP's
             replicate leg). Costs one fp32 buffer of the unsharded gradient size per
-            quantized param per rank. The error of a non-finite block is dropped.
+            quantized param per rank. The error of a non-finite block is dropped. State
+            dicts (hence checkpoints) carry the buffers (README, "Quantized
+            communication"): set the policy before loading.
         replicate_only: HSDP: quantize only the all-reduce over the replicate axis (the
             inter-node leg) with ``reduce_scatter``'s format; the shard-axis all-gather
             and reduce-scatter stay exact. ``all_gather`` must then be ``None``.

@@ -103,6 +103,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -127,6 +128,7 @@ from ._checkpoint_files import (
     write_extra,
     write_marker,
 )
+from .error_feedback import drop_unsaved_residuals
 
 __all__ = [
     "EXTRA_FILE",
@@ -432,8 +434,10 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizers | None) -
     optimizers = _as_list(optimizer)
     fresh = [o for o in optimizers if not o.state]
     try:
-        staged = _agree("load_checkpoint: staging", lambda: _staging_state_dict(model, optimizer))
         reader = SafeReader(path, set(marker["files"]))
+        staged = _agree(
+            "load_checkpoint: staging", lambda: _staging_state_dict(model, optimizer, reader)
+        )
         _dcp(
             f"load_checkpoint: reading {path}",
             lambda: dcp.load(staged, storage_reader=reader, planner=SafeLoadPlanner()),
@@ -461,10 +465,22 @@ def _as_list(optimizer: Optimizers | None) -> list[torch.optim.Optimizer]:
     return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
 
 
-def _staging_state_dict(model: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
+def _staging_state_dict(
+    model: nn.Module, optimizer: Optimizers | None, reader: SafeReader
+) -> dict[str, Any]:
     """A state dict of the model and optimizer for ``dcp.load`` to read into, sharing no
-    tensor with them; see [Note: atomic checkpoint load]."""
-    return _staging_copy(_state_dict(model, optimizer))
+    tensor with them (see [Note: atomic checkpoint load]), less the error-feedback
+    residuals the checkpoint does not hold at their size: those restart at zero instead
+    of failing the load (saved without error feedback, or at another data-parallel world
+    size; see [Note: error-feedback residuals in state dicts] in error_feedback.py)."""
+    staged = _staging_copy(_state_dict(model, optimizer))
+    saved = {
+        key: entry.size
+        for key, entry in reader.read_metadata().state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+    drop_unsaved_residuals(staged["model"], saved, prefix="model.")
+    return staged
 
 
 def _staging_copy(tree: Any) -> Any:

@@ -3,6 +3,7 @@
 
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -14,9 +15,10 @@ from .api import (
     CommPrecisionPolicy,
     ReduceScatter,
 )
+from .error_feedback import attribute_tree
 from .param_group import FSDPParamGroup
 from .state import FSDPState, assign_fqns, max_in_flight_reduce_scatters, state_of
-from .state_dict import validate_state_dict
+from .state_dict import residual_states, validate_state_dict
 from .trace import CommTrace
 
 # Public module class #
@@ -47,6 +49,16 @@ class FSDPModule:
             if state is not None:
                 seen.setdefault(id(state), state)
         return list(seen.values())
+
+    @property
+    def _fsdp_error_feedback(self) -> SimpleNamespace:  # error_feedback.RESIDUALS_ATTR
+        """This module's error-feedback residuals as state-dict values, by their params'
+        keys (``module._fsdp_error_feedback.layers.0.weight``): the attribute path that
+        the state-dict keys ``<module>._fsdp_error_feedback.<param key>`` name, which
+        torch's ``get_state_dict`` walks. Empty without error feedback. See [Note:
+        error-feedback residuals in state dicts] in error_feedback.py."""
+        module: nn.Module = self  # type: ignore[assignment]
+        return attribute_tree(residual_states(self._get_fsdp_state(), module))
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``to()``, ``to_empty()``, ``half()``, ``cuda()``...: apply to the sharded params,

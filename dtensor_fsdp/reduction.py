@@ -90,7 +90,9 @@ class GradientReduction:
         self.separate_reduce_scatter_group: dist.ProcessGroup | None = None
         self.reduce_scatter_unused_params = False
         self.comm_precision: CommPrecisionPolicy | None = None
-        self._error_feedback = ErrorFeedback()
+        # Its residuals are also state-dict entries (see [Note: error-feedback residuals
+        # in state dicts] in error_feedback.py).
+        self.error_feedback = ErrorFeedback()
 
     @property
     def reduce_scatter_group(self) -> dist.ProcessGroup:
@@ -124,11 +126,19 @@ class GradientReduction:
 
     def set_comm_precision(self, policy: CommPrecisionPolicy | None) -> None:
         self.comm_precision = policy
-        self._error_feedback.clear()
+        self.error_feedback.clear()
 
     def discard_error_feedback(self) -> None:
         """After a failed iteration: its errors belong to gradients never applied."""
-        self._error_feedback.clear()
+        self.error_feedback.clear()
+
+    def error_feedback_params(self) -> list[FSDPParam]:
+        """The params whose reduce-scatter keeps an error-feedback residual under the
+        current policy (those it quantizes), in the group's order."""
+        policy = self.comm_precision
+        if policy is None or not policy.error_feedback:
+            return []
+        return [p for p in self.fsdp_params if self._quantizes(p, policy, replicate_leg=False)]
 
     def _quantizes(
         self, fsdp_param: FSDPParam, policy: CommPrecisionPolicy | None, *, replicate_leg: bool
@@ -222,7 +232,7 @@ class GradientReduction:
         )
         issued_s, issued_event = time.perf_counter(), self._timing_event()
         residuals = (
-            self._error_feedback.residuals(with_grad, is_quantized, self.mesh_info.shard_size)
+            self.error_feedback.residuals(with_grad, is_quantized)
             if policy is not None and policy.error_feedback and any(is_quantized)
             else None
         )

@@ -5,7 +5,9 @@
   (the root stays unsharded after a ``no_grad`` forward), so it never returns unsharded
   parameters, as torch's FSDP2. The hooks sit on every module that holds FSDP
   parameters, as torch's, so a plain submodule's state dict (``model.out``) is sharded
-  in and out too.
+  in and out too. With ``CommPrecisionPolicy(error_feedback=True)`` only, the state
+  dict of a module passed to ``fully_shard`` also holds the error-feedback residuals
+  (see [Note: error-feedback residuals in state dicts] in ``error_feedback.py``).
 - ``model.load_state_dict(sd)`` takes sharded DTensors (any placements or mesh: they
   are redistributed) and plain full tensors (each rank keeps its own chunk: no rank
   broadcasts the model). ``FSDPModule.load_state_dict`` checks the keys and every value
@@ -35,7 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from ._safetensors_file import (
     check_written,
@@ -43,6 +46,14 @@ from ._safetensors_file import (
     plan_header,
     read_state_dict,
     write_tensor,
+)
+from .error_feedback import (
+    RESIDUALS_ATTR,
+    is_residual_key,
+    load_residual_state,
+    residual_key,
+    residual_layout,
+    residual_state,
 )
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
@@ -77,6 +88,40 @@ def register_state_dict_hooks(state: FSDPState) -> None:
         module.register_state_dict_pre_hook(_reshard_before_state_dict(groups))
         module.register_load_state_dict_pre_hook(_shard_loaded_values(groups, params))
         module.register_load_state_dict_post_hook(_adopt_assigned(params))
+    # The residuals are keyed under the module passed to fully_shard (see [Note:
+    # error-feedback residuals in state dicts]).
+    for module in state.modules:
+        module.register_state_dict_post_hook(_add_residuals(state))
+        module.register_load_state_dict_pre_hook(_take_residuals(state))
+
+
+def residual_states(state: FSDPState, root: nn.Module) -> dict[str, DTensor]:
+    """The error-feedback residuals of ``root``'s params (``root``: one of ``state``'s
+    modules) as state-dict values, by their params' keys relative to ``root``; empty
+    without error feedback. See [Note: error-feedback residuals in state dicts]."""
+    states = {}
+    for group in state.groups:
+        for fsdp_param in group.reduction.error_feedback_params():
+            slot = fsdp_param.slots[0]  # a tied param's residual is saved once
+            if slot.root is root:
+                residual = group.reduction.error_feedback.residual(fsdp_param)
+                states[slot.key] = residual_state(fsdp_param, residual)
+    return states
+
+
+def _add_residuals(state: FSDPState) -> Callable[..., None]:
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for key, value in residual_states(state, module).items():
+            state_dict[residual_key(prefix, key)] = value
+
+    return hook
+
+
+def _take_residuals(state: FSDPState) -> Callable[..., None]:
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        _load_residuals(state, module, state_dict, prefix)
+
+    return hook
 
 
 def _reshard_before_state_dict(groups: list[FSDPParamGroup]) -> Callable[..., None]:
@@ -101,6 +146,39 @@ def _shard_loaded_values(
                 )
 
     return hook
+
+
+def _load_residuals(
+    state: FSDPState, root: nn.Module, state_dict: dict[str, Any], prefix: str
+) -> None:
+    """Take ``root``'s error-feedback residuals out of ``state_dict`` (``nn.Module``
+    would call them unexpected) into the residuals. A param loaded without its residual
+    restarts it at zero; a residual for a param that keeps none is ignored, with a
+    warning. See [Note: error-feedback residuals in state dicts]."""
+    for group in state.groups:
+        feedback = group.reduction.error_feedback
+        for fsdp_param in group.reduction.error_feedback_params():
+            slot = fsdp_param.slots[0]
+            if slot.root is not root:
+                continue
+            key = residual_key(prefix, slot.key)
+            if key in state_dict:
+                mesh, placements = residual_layout(fsdp_param)
+                value = _to_placements(
+                    state_dict.pop(key), mesh, placements, fsdp_param.compute_device
+                )
+                load_residual_state(fsdp_param, feedback.residual(fsdp_param), value)
+            elif prefix + slot.key in state_dict:
+                feedback.reset(fsdp_param)
+    ignored = [key for key in state_dict if key.startswith(f"{prefix}{RESIDUALS_ATTR}.")]
+    for key in ignored:
+        del state_dict[key]
+    if ignored:
+        warnings.warn(
+            f"error-feedback residuals ignored for {ignored}: these params keep none "
+            "(error feedback off, filtered out, or one rank per shard group)",
+            stacklevel=2,
+        )
 
 
 def _adopt_assigned(params: list[_HeldParam]) -> Callable[..., None]:
@@ -133,7 +211,18 @@ def _to_sharded_value(fsdp_param: FSDPParam, value: torch.Tensor, device: torch.
     ``device``; a DTensor with other placements or another mesh is redistributed. No
     rank sends the whole model to the others.
     """
-    mesh, placements = fsdp_param.layout.mesh, fsdp_param.layout.placements
+    layout = fsdp_param.layout
+    return _to_placements(value, layout.mesh, layout.placements, device)
+
+
+def _to_placements(
+    value: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    device: torch.device,
+) -> DTensor:
+    """``value`` (a DTensor, or a plain tensor taken as the full value, moved to
+    ``device``) as a DTensor on ``mesh`` with ``placements``."""
     if isinstance(value, DTensor):
         if value.device_mesh == mesh and tuple(value.placements) == placements:
             return value
@@ -199,13 +288,22 @@ def validate_state_dict(
     expected = module.state_dict()
     problems = []
     if strict:
-        missing = sorted(set(expected) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(expected))
+        # Error-feedback residuals are optional: missing, they restart at zero; where
+        # an FSDP module keeps none, they are ignored (see [Note: error-feedback
+        # residuals in state dicts]).
+        fsdp_prefixes = _fsdp_prefixes(module)
+        missing = sorted(k for k in set(expected) - set(state_dict) if not is_residual_key(k))
+        unexpected = sorted(
+            k
+            for k in set(state_dict) - set(expected)
+            if not (is_residual_key(k) and k.split(RESIDUALS_ATTR)[0] in fsdp_prefixes)
+        )
         if missing:
             problems.append(f"missing keys: {missing}")
         if unexpected:
             problems.append(f"unexpected keys: {unexpected}")
-    sharded_keys = _sharded_keys(module)
+    # The load pre-hook shards full values of FSDP params and residuals.
+    sharded_keys = _sharded_keys(module) | {k for k in expected if is_residual_key(k)}
     requires_grad = {
         name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad
     }
@@ -216,6 +314,11 @@ def validate_state_dict(
         problem = _value_problem(
             want, state_dict[key], key in sharded_keys, assign and key in requires_grad
         )
+        if problem is not None and is_residual_key(key) and problem.startswith("shape"):
+            problem += (
+                " (an error-feedback residual: one row per data-parallel rank; saved at "
+                "another data-parallel world size, drop it to restart it at zero)"
+            )
         if problem is not None:
             problems.append(f"'{key}': {problem}")
     if problems:
@@ -231,6 +334,16 @@ def validate_state_dict(
 # everything the copy (or our pre-hook's sharding of a full tensor) would fail on, so
 # the copy itself cannot fail on a value. What is left is a failure of the machine
 # (out of memory, a collective of a redistribution that fails).
+
+
+def _fsdp_prefixes(module: nn.Module) -> set[str]:
+    """The state-dict key prefixes (``""``, ``"layers.0."``) of the modules under
+    ``module`` (itself included) that ``fully_shard`` was called on."""
+    return {
+        f"{name}." if name else ""
+        for name, submodule in module.named_modules(remove_duplicate=False)
+        if state_of(submodule) is not None
+    }
 
 
 def _sharded_keys(module: nn.Module) -> set[str]:
@@ -309,9 +422,10 @@ def _cast_error(src: torch.dtype, dst: torch.dtype) -> str | None:
 def save_full_state_dict(module: nn.Module, path: str, *, format: str = "safetensors") -> None:
     """Write ``module``'s full (unsharded) state dict to ``path``, from rank 0.
 
-    Every rank must call it: each tensor is all-gathered, one at a time. The file
-    appears atomically (written to ``path.tmp``, then renamed): a crash mid-write leaves
-    no file at ``path``. If rank 0 cannot write (a full disk, a missing directory), it
+    Every rank must call it: each tensor is all-gathered, one at a time. Error-feedback
+    residuals (``CommPrecisionPolicy.error_feedback``) are left out: training state, not
+    weights. The file appears atomically (written to ``path.tmp``, then renamed): a crash
+    mid-write leaves no file at ``path``. If rank 0 cannot write (a full disk, a missing directory), it
     keeps joining the gathers, removes ``path.tmp``, and every rank raises the same
     ``RuntimeError`` once the last tensor is gathered: no rank waits for a rank that
     failed.
@@ -336,7 +450,8 @@ def save_full_state_dict(module: nn.Module, path: str, *, format: str = "safeten
         raise ValueError(
             f"save_full_state_dict: format must be 'safetensors' or 'torch', got {format!r}"
         )
-    state_dict = module.state_dict()
+    # The weights only: error-feedback residuals are training state, for checkpoints.
+    state_dict = {k: v for k, v in module.state_dict().items() if not is_residual_key(k)}
     header = plan_header(state_dict) if format == "safetensors" else None
     writer = _Writer(f"{path}.tmp", is_writer=not dist.is_initialized() or dist.get_rank() == 0)
     if format == "torch":
