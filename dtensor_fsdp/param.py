@@ -226,9 +226,10 @@ class FSDPParam:
 
     def _init_sharding_spec(self) -> DTensorSpec:
         """The sharded param's layout in ``dtype``, built once per dtype: the sharded
-        grad of every step wraps its local tensor in it directly, which costs a few
-        Python calls where ``DTensor.from_local`` costs about a hundred (torch's FSDP2
-        does the same, ``_from_local_no_grad``)."""
+        param and the sharded grad of every step wrap their local tensors in it
+        directly, which costs a few Python calls where ``DTensor.from_local`` costs
+        about a hundred and keeps them on the local tensor's device (torch's FSDP2 does
+        the same, ``_from_local_no_grad``; see `_sharded_dtensor`)."""
         return DTensorSpec(
             self.layout.mesh,
             self.layout.placements,
@@ -514,14 +515,12 @@ class FSDPParam:
             )
 
     def _sharded_dtensor(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(
-            local,
-            self.layout.mesh,
-            self.layout.placements,
-            run_check=False,
-            shape=self.global_shape,
-            stride=contiguous_stride(self.global_shape),
-        )
+        """``local`` itself wrapped in the sharding spec, as torch's FSDP2 builds its
+        sharded param (``_from_local_no_grad``). Not ``DTensor.from_local``: it copies a
+        local tensor whose device type is not the mesh's to the mesh's device, so under
+        CPU offload on an accelerator the sharded param would be a device copy instead
+        of a view of the (host) sharded buffer."""
+        return DTensor(local, self._sharding_spec, requires_grad=False)
 
     def is_replaced(self) -> bool:
         """Whether user code registered another object in this parameter's place since
