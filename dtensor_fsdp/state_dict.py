@@ -38,6 +38,7 @@ from ._safetensors_file import (
     read_state_dict,
     write_tensor,
 )
+from ._tensor_utils import wrap_local
 from .param import FSDPParam
 from .state import FSDPState, state_of
 
@@ -94,12 +95,10 @@ def _to_sharded_value(fsdp_param: FSDPParam, value: torch.Tensor) -> DTensor:
             return value
         value = value.full_tensor() if value.device_mesh != mesh else value
     if not isinstance(value, DTensor):
-        value = DTensor.from_local(
-            value.to(fsdp_param._padded_shard.device),
-            mesh,
-            [Replicate()] * mesh.ndim,
-            run_check=False,
-        )
+        # Replicated where the sharded param lives (the host under CPU offload), so
+        # the redistribution below only slices this rank's chunk out of it there.
+        local = value.to(fsdp_param._padded_shard.device)
+        value = wrap_local(local, mesh, [Replicate()] * mesh.ndim, local.shape, local.stride())
     return value.redistribute(mesh, placements)
 
 
