@@ -462,7 +462,10 @@ class FSDPParam:
             self.partial_reduced_grad.add_(reduced)
 
     def accumulate_sharded_grad(
-        self, reduced: torch.Tensor, to_host: "Callable[..., torch.Tensor] | None" = None
+        self,
+        reduced: torch.Tensor,
+        to_host: "Callable[..., torch.Tensor] | None" = None,
+        pin_memory: bool = False,
     ) -> bool:
         """Land this rank's averaged gradient chunk on ``sharded_param.grad``.
 
@@ -470,6 +473,7 @@ class FSDPParam:
             reduced: 1-D, this parameter's padded segment of the reduce-scatter output.
             to_host: CPU offload: the device-to-host copy (``CommStreams.copy_to_host``);
                 the sharded grad lives with the sharded param, on the CPU.
+            pin_memory: CPU offload's ``CPUOffloadPolicy.pin_memory``.
 
         Returns:
             Whether the host copy may still be running: the caller must make the host
@@ -480,8 +484,10 @@ class FSDPParam:
         grad = self.sharded_param.grad
         hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None) or {}
         # The copy may run asynchronously only if nothing on the host reads it before
-        # the end of backward: not an add into an existing grad, not a user hook.
-        non_blocking = to_host is not None and grad is None and not hooks
+        # the end of backward: not an add into an existing grad, not a user hook. And
+        # only with pin_memory, as torch's: a non-blocking device-to-host copy lands in
+        # pinned memory it allocates, which pin_memory=False asks not to use.
+        non_blocking = to_host is not None and pin_memory and grad is None and not hooks
         if to_host is not None:
             local = to_host(local, self.dtype, non_blocking)
         elif local.dtype != self.dtype:
