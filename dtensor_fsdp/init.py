@@ -125,9 +125,9 @@ def _not_materialized(group: FSDPParamGroup) -> str:
             "device; call module.to_empty(device=...) first"
         )
     return (
-        f"init_unsharded: the parameters of group '{group.fqn}' are on {sorted(map(str, devices))}, "
-        "but with CPU offloading FSDP parameters should be materialized on CPU: call "
-        'module.to_empty(device="cpu")'
+        f"init_unsharded: the parameters of group '{group.fqn}' are on "
+        f"{sorted(map(str, devices))}, but with CPU offloading FSDP parameters should be "
+        'materialized on CPU: call module.to_empty(device="cpu")'
     )
 
 

@@ -42,7 +42,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ._tensor_utils import ShardGeometry, alloc_storage, contiguous_stride, free_storage
+from ._tensor_utils import (
+    ShardGeometry,
+    alloc_storage,
+    contiguous_stride,
+    free_storage,
+    wrap_local,
+)
 from .api import MixedPrecisionPolicy
 from .extension import AllGatherExtension, has_all_gather_extension
 from .mesh import MeshInfo, SpmdLayout
@@ -507,18 +513,17 @@ class FSDPParam:
     def _as_unsharded(self, data: torch.Tensor) -> torch.Tensor:
         """``data`` (of ``shape``) as the unsharded param's tensor: itself, or for a
         DTensor param (TP) the original DTensor again, so TP's module hooks and DTensor
-        ops run on it unchanged."""
+        ops run on it unchanged; wrapping ``data`` itself, on its device (the host for
+        ``init_unsharded`` under CPU offload: see `_sharded_dtensor`)."""
         if self.layout.unsharded_mesh is None:
             return data
-        with torch.no_grad():
-            return DTensor.from_local(
-                data,
-                self.layout.unsharded_mesh,
-                self.layout.unsharded_placements,
-                run_check=False,
-                shape=self.global_shape,
-                stride=contiguous_stride(self.global_shape),
-            )
+        return wrap_local(
+            data,
+            self.layout.unsharded_mesh,
+            self.layout.unsharded_placements,
+            self.global_shape,
+            contiguous_stride(self.global_shape),
+        )
 
     def _sharded_dtensor(self, local: torch.Tensor) -> DTensor:
         """``local`` itself wrapped in the sharding spec, as torch's FSDP2 builds its
