@@ -12,10 +12,12 @@ real CPU tensors: a sharded param that FSDP puts on the mesh's device lands on
 
 Limits (a stand-in, not a device): a standin tensor holds no values (copies into it
 drop them; its views are new storage-less tensors, not aliases), and it has no streams,
-no storage resize, no pinned host memory and no collectives. So it covers what
-``fully_shard`` and the materialization of a sharded model (``to_empty``,
-``init_unsharded``) do with an accelerator mesh, not lazy init, forward, backward or
-the optimizer step; those run on a CPU mesh here and on CUDA in the GPU checks.
+no storage resize, no pinned host memory and no collectives. So it covers what FSDP
+does with host tensors on an accelerator mesh: ``fully_shard``, ``to_empty``,
+``init_unsharded``, a state-dict load, an optimizer step and ``clip_grad_norm_`` on
+host shards and grads (their collectives run on host tensors, over the gloo group
+behind the mesh). Not lazy init (it needs streams), forward or backward: those run on
+a CPU mesh here and on CUDA in the GPU checks.
 torch's ``fully_shard`` runs on it only for a module already on the device or on meta:
 for CPU params its ``param.data = param.to(device)`` needs tensor types that a CPU
 tensor can adopt, which a storage-less one is not.
@@ -34,8 +36,8 @@ _LIBRARY: list[torch.library.Library] = []
 
 
 def is_supported() -> bool:
-    """Whether this torch can register a Python backend (private APIs: torch 2.11-2.14
-    have them; a release without them skips the stand-in tests)."""
+    """Whether this torch can register a Python backend (private APIs, in torch 2.13; a
+    release without them skips the stand-in tests)."""
     return hasattr(backend_registration, "_setup_privateuseone_for_python_backend") and hasattr(
         getattr(torch._C, "_acc", None), "create_empty_tensor"
     )
