@@ -381,10 +381,24 @@ def build_model(
     for module in [*model.layers, model]:
         fully_shard(module, mesh=parallelism.dp_mesh, **fsdp_settings(args))
     if args.meta_init:
-        model.to_empty(device=device)
+        materialize(model, device, args.cpu_offload)
         with init_unsharded(model):
             init_from_seed(model, args.seed)
     return model
+
+
+def materialize(model: torch.nn.Module, device: torch.device, cpu_offload: bool) -> None:
+    """``to_empty`` after sharding on meta. With CPU offload the sharded params go to
+    the CPU, as FSDP requires (torch's recipe: ``to_empty(device="cpu")``), and the
+    buffers, which FSDP does not manage, to the device the forward runs on."""
+    if not cpu_offload:
+        model.to_empty(device=device)
+        return
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
 
 
 def fsdp_settings(args: argparse.Namespace) -> dict:

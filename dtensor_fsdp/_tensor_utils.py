@@ -7,10 +7,14 @@ ones, which are shorter or empty. Internally every chunk is padded to the full
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 
 def chunk_rows(dim0: int, world_size: int) -> int:
@@ -85,6 +89,22 @@ def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         stride.append(acc)
         acc *= size
     return tuple(reversed(stride))
+
+
+def wrap_local(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: torch.Size,
+    stride: tuple[int, ...],
+) -> DTensor:
+    """``local`` itself as the local tensor of a DTensor of global ``shape`` and
+    ``stride``, not differentiable, as torch's FSDP2 builds its DTensors
+    (``_from_local_no_grad``). ``DTensor.from_local`` would copy a local tensor whose
+    device type is not the mesh's to the mesh's device: under CPU offload on an
+    accelerator, a device copy of a host shard, optimizer state or norm."""
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 def free_storage(tensor: torch.Tensor) -> None:

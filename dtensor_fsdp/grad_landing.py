@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from .api import CPUOffloadPolicy
 from .param import FSDPParam
 from .streams import CommStreams
 
@@ -28,7 +29,7 @@ def land_sharded_grads(
     force_sum_reduction: bool,
     hook: tuple[Callable[[torch.Tensor], None] | None, object | None],
     streams: CommStreams,
-    offload: bool,
+    offload: CPUOffloadPolicy | None,
 ) -> object | None:
     """Divide once and run the user's hook (in torch's order), and land each param's
     chunk on its ``.grad``.
@@ -36,7 +37,8 @@ def land_sharded_grads(
     Args:
         reduced: (sum of padded chunk numels,), the params' chunks in their order.
         hook: the user's all-reduce hook and the stream it runs on (None: the current).
-        offload: CPU offload: the sharded grads land in host memory.
+        offload: CPU offload's policy, if on: the sharded grads land in host memory
+            (asynchronously only with ``pin_memory``, see `accumulate_sharded_grad`).
 
     Returns:
         The event after asynchronous device-to-host copies (the host waits for it at
@@ -53,9 +55,10 @@ def land_sharded_grads(
             all_reduce_hook(reduced)
     if post_divisor != 1.0 and not divided_in_collective:
         reduced.div_(post_divisor)
-    to_host = streams.copy_to_host if offload else None
+    to_host = streams.copy_to_host if offload is not None else None
+    pin_memory = offload is not None and offload.pin_memory
     copying = [
-        fsdp_param.accumulate_sharded_grad(chunk, to_host)
+        fsdp_param.accumulate_sharded_grad(chunk, to_host, pin_memory)
         for fsdp_param, chunk in zip(params, split_reduced(reduced, params), strict=True)
     ]
     return streams.record_compute() if any(copying) else None

@@ -33,6 +33,7 @@ from torch import nn
 
 from ._lazy_init import InitCache, LazyEntry, LazyFullTensor
 from .param import FSDPParam
+from .param_group import FSDPParamGroup
 from .param_init import register_for_init, register_full_for_init, write_back_from_init
 from .state import FSDPState, states_under
 
@@ -50,7 +51,7 @@ def init_unsharded(
         for block in model.layers:
             fully_shard(block)
         fully_shard(model)
-        model.to_empty(device="cuda")
+        model.to_empty(device="cuda")  # with CPUOffloadPolicy: device="cpu"
         with init_unsharded(model):
             model.init_weights()  # the same values as on an eager model
 
@@ -73,7 +74,8 @@ def init_unsharded(
         The ``InitCache``: ``peak_bytes``, ``all_gathers`` and the other counters.
 
     Raises:
-        RuntimeError: the parameters of a group are still on ``meta``.
+        RuntimeError: the parameters of a group are still on ``meta``, or with CPU
+            offload were materialized on another device than the CPU.
         ValueError: ``max_unsharded_bytes`` is negative; inside the context, ``param.data``
             is assigned a tensor of another shape, dtype or device.
     """
@@ -85,10 +87,7 @@ def init_unsharded(
     groups = [g for s in states for g in s.groups]
     for group in groups:
         if group.sharded_buffer.device.type == "meta":
-            raise RuntimeError(
-                f"init_unsharded: the parameters of group '{group.fqn}' are on the meta "
-                "device; call module.to_empty(device=...) first"
-            )
+            raise RuntimeError(_not_materialized(group))
         group.reshard()
     lazy = [p for group in groups for p in group.fsdp_params if _is_lazy(p)]
     eager = [p for group in groups for p in group.fsdp_params if not _is_lazy(p)]
@@ -114,6 +113,22 @@ def init_unsharded(
         finally:
             for fsdp_param in lazy + eager:
                 register_for_init(fsdp_param, None)
+
+
+def _not_materialized(group: FSDPParamGroup) -> str:
+    """Why ``group``'s sharded buffer is still on meta: not materialized yet, or (CPU
+    offload) materialized on the device, which FSDP refuses, as torch's does."""
+    devices = {p.registered_local().device for p in group.fsdp_params}
+    if group.offload is None or any(d.type in ("meta", "cpu") for d in devices):
+        return (
+            f"init_unsharded: the parameters of group '{group.fqn}' are on the meta "
+            "device; call module.to_empty(device=...) first"
+        )
+    return (
+        f"init_unsharded: the parameters of group '{group.fqn}' are on "
+        f"{sorted(map(str, devices))}, but with CPU offloading FSDP parameters should be "
+        'materialized on CPU: call module.to_empty(device="cpu")'
+    )
 
 
 def _is_lazy(fsdp_param: FSDPParam) -> bool:

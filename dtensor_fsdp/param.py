@@ -42,7 +42,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ._tensor_utils import ShardGeometry, alloc_storage, contiguous_stride, free_storage
+from ._tensor_utils import (
+    ShardGeometry,
+    alloc_storage,
+    contiguous_stride,
+    free_storage,
+    wrap_local,
+)
 from .api import MixedPrecisionPolicy
 from .extension import AllGatherExtension, has_all_gather_extension
 from .mesh import MeshInfo, SpmdLayout
@@ -226,9 +232,10 @@ class FSDPParam:
 
     def _init_sharding_spec(self) -> DTensorSpec:
         """The sharded param's layout in ``dtype``, built once per dtype: the sharded
-        grad of every step wraps its local tensor in it directly, which costs a few
-        Python calls where ``DTensor.from_local`` costs about a hundred (torch's FSDP2
-        does the same, ``_from_local_no_grad``)."""
+        param and the sharded grad of every step wrap their local tensors in it
+        directly, which costs a few Python calls where ``DTensor.from_local`` costs
+        about a hundred and keeps them on the local tensor's device (torch's FSDP2 does
+        the same, ``_from_local_no_grad``; see `_sharded_dtensor`)."""
         return DTensorSpec(
             self.layout.mesh,
             self.layout.placements,
@@ -461,7 +468,10 @@ class FSDPParam:
             self.partial_reduced_grad.add_(reduced)
 
     def accumulate_sharded_grad(
-        self, reduced: torch.Tensor, to_host: "Callable[..., torch.Tensor] | None" = None
+        self,
+        reduced: torch.Tensor,
+        to_host: "Callable[..., torch.Tensor] | None" = None,
+        pin_memory: bool = False,
     ) -> bool:
         """Land this rank's averaged gradient chunk on ``sharded_param.grad``.
 
@@ -469,6 +479,7 @@ class FSDPParam:
             reduced: 1-D, this parameter's padded segment of the reduce-scatter output.
             to_host: CPU offload: the device-to-host copy (``CommStreams.copy_to_host``);
                 the sharded grad lives with the sharded param, on the CPU.
+            pin_memory: CPU offload's ``CPUOffloadPolicy.pin_memory``.
 
         Returns:
             Whether the host copy may still be running: the caller must make the host
@@ -479,8 +490,10 @@ class FSDPParam:
         grad = self.sharded_param.grad
         hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None) or {}
         # The copy may run asynchronously only if nothing on the host reads it before
-        # the end of backward: not an add into an existing grad, not a user hook.
-        non_blocking = to_host is not None and grad is None and not hooks
+        # the end of backward: not an add into an existing grad, not a user hook. And
+        # only with pin_memory, as torch's: a non-blocking device-to-host copy lands in
+        # pinned memory it allocates, which pin_memory=False asks not to use.
+        non_blocking = to_host is not None and pin_memory and grad is None and not hooks
         if to_host is not None:
             local = to_host(local, self.dtype, non_blocking)
         elif local.dtype != self.dtype:
@@ -500,28 +513,25 @@ class FSDPParam:
     def _as_unsharded(self, data: torch.Tensor) -> torch.Tensor:
         """``data`` (of ``shape``) as the unsharded param's tensor: itself, or for a
         DTensor param (TP) the original DTensor again, so TP's module hooks and DTensor
-        ops run on it unchanged."""
+        ops run on it unchanged; wrapping ``data`` itself, on its device (the host for
+        ``init_unsharded`` under CPU offload: see `_sharded_dtensor`)."""
         if self.layout.unsharded_mesh is None:
             return data
-        with torch.no_grad():
-            return DTensor.from_local(
-                data,
-                self.layout.unsharded_mesh,
-                self.layout.unsharded_placements,
-                run_check=False,
-                shape=self.global_shape,
-                stride=contiguous_stride(self.global_shape),
-            )
+        return wrap_local(
+            data,
+            self.layout.unsharded_mesh,
+            self.layout.unsharded_placements,
+            self.global_shape,
+            contiguous_stride(self.global_shape),
+        )
 
     def _sharded_dtensor(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(
-            local,
-            self.layout.mesh,
-            self.layout.placements,
-            run_check=False,
-            shape=self.global_shape,
-            stride=contiguous_stride(self.global_shape),
-        )
+        """``local`` itself wrapped in the sharding spec, as torch's FSDP2 builds its
+        sharded param (``_from_local_no_grad``). Not ``DTensor.from_local``: it copies a
+        local tensor whose device type is not the mesh's to the mesh's device, so under
+        CPU offload on an accelerator the sharded param would be a device copy instead
+        of a view of the (host) sharded buffer."""
+        return DTensor(local, self._sharding_spec, requires_grad=False)
 
     def is_replaced(self) -> bool:
         """Whether user code registered another object in this parameter's place since

@@ -142,7 +142,7 @@ class FSDPParamGroup:
             mesh_info,
             self._record_comm,
             self._timing_event,
-            offload=self.offload is not None,
+            offload=self.offload,
         )
         self.ctx: CommContext | None = None  # handed down at the root's lazy init
         self.trace: CommTrace | None = None

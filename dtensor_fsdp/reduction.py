@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .api import CommPrecisionPolicy, ReduceScatter
+from .api import CommPrecisionPolicy, CPUOffloadPolicy, ReduceScatter
 from .collectives import ReductionPlan
 from .consistency import CollectiveCheck
 from .error_feedback import ErrorFeedback
@@ -56,7 +56,7 @@ class GradientReduction:
         mesh_info: MeshInfo,
         record_comm: Callable[..., None],
         timing_event: Callable[[], object | None],
-        offload: bool,
+        offload: CPUOffloadPolicy | None,
     ) -> None:
         """
         Args:
@@ -64,7 +64,7 @@ class GradientReduction:
             mesh_info: the group's data-parallel mesh.
             record_comm: the group's trace recorder (kind, nbytes, issued_s, wait_s, ...).
             timing_event: the group's device timing events for the trace (or None).
-            offload: CPU offload: the sharded grads land in host memory.
+            offload: CPU offload's policy, if on: the sharded grads land in host memory.
         """
         self.fsdp_params = fsdp_params
         self.mesh_info = mesh_info

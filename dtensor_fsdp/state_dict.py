@@ -47,6 +47,7 @@ from ._safetensors_file import (
     read_state_dict,
     write_tensor,
 )
+from ._tensor_utils import wrap_local
 from .error_feedback import (
     RESIDUALS_ATTR,
     is_residual_key,
@@ -228,9 +229,11 @@ def _to_placements(
             return value
         value = value.full_tensor() if value.device_mesh != mesh else value
     if not isinstance(value, DTensor):
-        value = DTensor.from_local(
-            value.to(device), mesh, [Replicate()] * mesh.ndim, run_check=False
-        )
+        # Replicated on ``device`` (the host under CPU offload), so the redistribution
+        # below only slices this rank's chunk out of it there: DTensor.from_local
+        # would move it to the mesh's device type first.
+        local = value.to(device)
+        value = wrap_local(local, mesh, [Replicate()] * mesh.ndim, local.shape, local.stride())
     return value.redistribute(mesh, placements)
 
 

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from .._tensor_utils import wrap_local
+
 try:
     from torch.utils._foreach_utils import _device_has_foreach_support
 except ImportError:  # private: moved or gone in another torch release
@@ -114,7 +116,8 @@ def get_total_norm(
         )
     if len(meshes) == 1:
         (mesh,) = meshes
-        return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        # On the grads' device, as torch's (the host under CPU offload).
+        return wrap_local(total, mesh, [Replicate()] * mesh.ndim, total.shape, total.stride())
     return total
 
 

@@ -62,6 +62,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._tensor_utils import wrap_local
+
 # torch.optim classes whose update of each element reads only that element of the
 # param, its grad and its state (plus hyper-parameters and scalar state). Exact types:
 # a subclass may override ``step``. Not here: LBFGS (dot products), SparseAdam (sparse
@@ -484,14 +486,11 @@ def _sync_state(entry: _LocalParam, lstate: dict[str, Any]) -> None:
         if pair is not None and pair[1] is value:
             values[name] = pair[0]  # unchanged, or a DTensor updated in place
         elif _is_new_param_like(value, pair, entry.alias):
-            # New state made like the param: torch.optim gets a DTensor for it.
-            values[name] = DTensor.from_local(
-                value,
-                param.device_mesh,
-                param.placements,
-                run_check=False,
-                shape=param.shape,
-                stride=param.stride(),
+            # New state made like the param: torch.optim gets a DTensor for it, whose
+            # local tensor is this one (on the host under CPU offload, as torch.optim's
+            # ``zeros_like(param)`` is).
+            values[name] = wrap_local(
+                value, param.device_mesh, param.placements, param.shape, param.stride()
             )
         else:
             values[name] = value

@@ -138,8 +138,10 @@ def _shard_kwargs(case: Case, torch_api: bool) -> dict[str, Any]:
             **MP
         )
     if "offload_policy" in kwargs:
-        kwargs["offload_policy"] = (TorchCPUOffloadPolicy if torch_api else CPUOffloadPolicy)(
-            pin_memory=False
+        # torch's cannot pin without an accelerator; ours pins nothing on a CPU mesh, and
+        # with pin_memory copies grads to the host asynchronously, as on an accelerator.
+        kwargs["offload_policy"] = (
+            TorchCPUOffloadPolicy(pin_memory=False) if torch_api else CPUOffloadPolicy()
         )
     return kwargs
 

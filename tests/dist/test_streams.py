@@ -378,11 +378,17 @@ def _hsdp(rank: int) -> dict[str, Any]:
     return {"log": streams.log, "grads": local_pairs(ours, theirs, grads=True)}
 
 
-def _offload(rank: int, mesh: Any, wait_for_copies: bool) -> dict[str, Any]:
+def _offload(
+    rank: int, mesh: Any, wait_for_copies: bool, pin_memory: bool = True
+) -> dict[str, Any]:
     """CPU offload on a device with deferred copies: two micro-batches (the first with
-    set_is_last_backward(False)), a step, one more backward; against torch's."""
+    set_is_last_backward(False)), a step, one more backward; against torch's. Ours
+    copies grads asynchronously only with pin_memory, as torch's (which cannot pin
+    without an accelerator: pin_memory=False there; ours pins nothing on a CPU mesh)."""
     base = mlp()
-    ours = shard_mlp(copy.deepcopy(base), mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    ours = shard_mlp(
+        copy.deepcopy(base), mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory)
+    )
     theirs = shard_mlp(
         copy.deepcopy(base),
         mesh,
@@ -525,6 +531,9 @@ def _run(rank: int, world_size: int, tmp_dir: str) -> dict[str, Any]:
             "hsdp": lambda: _hsdp(rank),
             "offload": lambda: _offload(rank, pairs, wait_for_copies=True),
             "offload_race": lambda: _offload(rank, pairs, wait_for_copies=False),
+            "offload_unpinned": lambda: _offload(
+                rank, pairs, wait_for_copies=False, pin_memory=False
+            ),
             "timing": lambda: _timing(rank, pairs, tmp_dir),
             "device_streams": lambda: _device_streams(rank, pairs),
             "hook_stream": lambda: _hook_stream(rank, pairs),
@@ -663,6 +672,15 @@ def test_cpu_offload_grads_land_before_the_host_reads_them(run) -> None:
         # Only the first landing of each grad per step is asynchronous (6 params: 2
         # steps); adding into an existing grad copies synchronously.
         assert rec["deferred_copies"] == 12, rec["deferred_copies"]
+        for index, pairs in enumerate(rec["records"]):
+            _assert_equal_pairs(pairs, f"rank {rank} record {index}")
+
+
+def test_cpu_offload_unpinned_copies_grads_synchronously(run) -> None:
+    # pin_memory=False: no asynchronous copy (it would land in pinned memory), as
+    # torch's; so nothing is left for the (here removed) wait, and the grads are right.
+    for rank, rec in enumerate(scenario_records(run, "offload_unpinned")):
+        assert rec["deferred_copies"] == 0, rec["deferred_copies"]
         for index, pairs in enumerate(rec["records"]):
             _assert_equal_pairs(pairs, f"rank {rank} record {index}")
 
