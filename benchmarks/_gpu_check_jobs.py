@@ -5,7 +5,6 @@ checking process itself, which only starts and reads subprocesses.
 """
 
 import dataclasses
-import gzip
 import json
 import math
 import shutil
@@ -142,13 +141,8 @@ def bench_train(ctx: JobContext, profile: bool) -> Outcome:
         outcome.check("profiles", not missing, f"missing {missing}" if missing else "4 traces")
         for name in expected:
             if (folder / name).exists():
-                _gzip(folder / name, ctx.artifacts / f"bench_{name}.gz")
+                shutil.copy(folder / name, ctx.artifacts / f"bench_{name}")
     return outcome
-
-
-def _gzip(source: Path, target: Path) -> None:
-    with open(source, "rb") as raw, gzip.open(target, "wb") as packed:
-        shutil.copyfileobj(raw, packed)
 
 
 def _tail(output: str, lines: int = 6) -> str:

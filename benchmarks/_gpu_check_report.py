@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 VERDICTS = ("ok", "MISMATCH", "ERROR", "SKIP")
-_DETAIL_WIDTH = 72  # the table's detail column; the full text follows the table
+_DETAIL_WIDTH = 72  # the table's detail column; the full text comes before the table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +92,17 @@ def _short(text: str) -> str:
     return text if len(text) <= _DETAIL_WIDTH else text[: _DETAIL_WIDTH - 3] + "..."
 
 
-def format_table(results: list[RowResult]) -> str:
-    """One line per row, then each row's full detail; ratios are ours over the other
-    (step time: median of interleaved steps; peak: allocated bytes over one step)."""
+def format_report(results: list[RowResult], detail_chars: int | None = None) -> str:
+    """Each row's detail (cut to ``detail_chars``), then one line per row: the table
+    ends the report, so the end of a long output still holds it. Ratios are ours over
+    the other (step time: median of interleaved steps; peak: allocated bytes over step
+    2)."""
+    text = []
+    for r in results:
+        detail = r.detail
+        if detail_chars is not None and len(detail) > detail_chars:
+            detail = detail[:detail_chars] + " [cut: the --out files hold all of it]"
+        text.append(f"{r.name} [{r.verdict}]: {detail}")
     header = ("row", "layout", "verdict", "ours/torch", "ours/plain", "peak o/t", "s", "detail")
     lines = [
         (
@@ -105,13 +113,10 @@ def format_table(results: list[RowResult]) -> str:
         for r in results
     ]  # fmt: skip
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header) - 1)]
-    text = []
+    text.append("")
     for row in [header, *lines]:
         cells = [cell.ljust(width) for cell, width in zip(row, widths)]
         text.append("  ".join([*cells, row[-1]]).rstrip())
-    text.append("")
-    for r in results:
-        text.append(f"{r.name} [{r.verdict}]: {r.detail}")
     return "\n".join(text)
 
 

@@ -15,10 +15,8 @@ rows (the step's compute floor).
 
 import dataclasses
 import gc
-import gzip
 import itertools
 import os
-import shutil
 import statistics
 import time
 from collections.abc import Iterator
@@ -445,7 +443,7 @@ def time_side_by_side(
 
 def _profile(trainee: _Trainee, shape: Shape, rank: Rank, name: str) -> str | None:
     """One step under torch.profiler after one warm-up step (CUPTI's start-up), on rank
-    0 (the others run the same steps); the gzipped Chrome trace's path, or None."""
+    0 (the others run the same steps); the Chrome trace's path, or None."""
     activities = [ProfilerActivity.CPU]
     if rank.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -462,7 +460,4 @@ def _profile(trainee: _Trainee, shape: Shape, rank: Rank, name: str) -> str | No
         return None
     path = os.path.join(rank.artifacts, f"{name}_rank0.json")
     prof.export_chrome_trace(path)
-    with open(path, "rb") as raw, gzip.open(path + ".gz", "wb") as packed:
-        shutil.copyfileobj(raw, packed)
-    os.remove(path)
-    return path + ".gz"
+    return path

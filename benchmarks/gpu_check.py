@@ -53,7 +53,7 @@ from _gpu_check_report import (
     RowResult,
     exit_status,
     failed_row,
-    format_table,
+    format_report,
     row_result,
 )
 from _gpu_check_report import to_json as results_json
@@ -65,6 +65,7 @@ PACK_LIMIT = 15 * MiB  # per tar: the device tool brings back files of at most 1
 MAX_PACKS = 6  # 8 files come back: the table, the JSON and these
 CPU_TIMEOUT_FACTOR = 3  # tiny models, but 2-4 ranks on a couple of shared cores
 MIN_ROW_S = 15.0  # less left than this: the row is not started
+STDOUT_DETAIL_CHARS = 600  # a row's detail on the terminal (a traceback: its end is cut)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,13 +224,13 @@ def run_info(device: str, seconds: float) -> dict[str, str]:
 
 
 def write_out(
-    out: Path, table: str, results: list[RowResult], info: dict[str, str], work: Path
+    out: Path, report: str, results: list[RowResult], info: dict[str, str], work: Path
 ) -> None:
-    """The table, the JSON, and the logs and traces (gzipped) in tars of <= 15 MiB."""
+    """The report, the JSON, and the logs and traces (gzipped) in tars of <= 15 MiB."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.txt").write_text(table + "\n")
+    (out / "gpu_check.txt").write_text(report)
     (out / "gpu_check.json").write_text(json.dumps(results_json(results, info), indent=1))
-    files = sorted((work / "artifacts").glob("*.gz")) + _gzipped_logs(work / "logs")
+    files = _gzipped(work / "artifacts") + _gzipped(work / "logs")
     packs: list[list[Path]] = []
     current: list[Path] = []
     filled = 0
@@ -249,13 +250,17 @@ def write_out(
                 tar.add(path, arcname=f"{path.parent.name}/{path.name}")
 
 
-def _gzipped_logs(folder: Path) -> list[Path]:
+def _gzipped(folder: Path) -> list[Path]:
+    """Every file in ``folder``, gzipped (the ones not gzipped yet replaced)."""
     packed = []
-    for log in sorted(folder.glob("*.log")):
-        target = log.with_suffix(".log.gz")
-        with open(log, "rb") as raw, gzip.open(target, "wb") as sink:
-            shutil.copyfileobj(raw, sink)
-        packed.append(target)
+    for path in sorted(folder.iterdir()):
+        if path.suffix != ".gz":
+            target = path.with_name(path.name + ".gz")
+            with open(path, "rb") as raw, gzip.open(target, "wb") as sink:
+                shutil.copyfileobj(raw, sink)
+            path.unlink()
+            path = target
+        packed.append(path)
     return packed
 
 
@@ -274,10 +279,13 @@ def main(argv: list[str] | None = None) -> int:
         results = run_rows(args.rows, device, args.quick, args.budget_s, work)
         info = run_info(device, time.monotonic() - start)
         header = " | ".join(f"{key} {value}" for key, value in info.items())
-        table = f"gpu_check | {header}\n\n{format_table(results)}"
-        print("\n" + table, flush=True)
+        # Details cut short on the terminal: the device tool returns the output's end.
+        print(
+            f"\n{format_report(results, STDOUT_DETAIL_CHARS)}\n\ngpu_check | {header}", flush=True
+        )
         if args.out is not None:
-            write_out(args.out, table, results, info, work)
+            report = f"gpu_check | {header}\n\n{format_report(results)}\n"
+            write_out(args.out, report, results, info, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return exit_status(results)
