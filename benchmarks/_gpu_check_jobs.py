@@ -10,7 +10,7 @@ import math
 import shutil
 from pathlib import Path
 
-from _gpu_check_launch import Finished, free_port, run_commands, torchrun
+from _gpu_check_launch import Finished, free_ports, run_commands, torchrun
 from _gpu_check_report import Outcome
 
 # Flash attention's backward accumulates with atomics (TORCH_NOTES.md, "On a GPU"), so
@@ -40,7 +40,7 @@ class JobContext:
 # initializes where the sharded params live), not where the eager model is built.
 TRAIN_RUNS = {
     "ref": ([], None),
-    "meta_ac": (["--meta-init", "--activation-checkpointing", "--trace-comms", "{comms}"], "all"),
+    "meta_ac": (["--meta-init", "--activation-checkpointing"], "all"),
     "offload": (["--cpu-offload"], "all"),
     "meta_offload": (["--meta-init", "--cpu-offload"], "step 1"),
     "all": (
@@ -48,6 +48,7 @@ TRAIN_RUNS = {
         None,  # inductor's kernels round otherwise: trains, finite, reported
     ),
 }
+TRACED_RUN = "meta_ac"  # also --trace-comms: its CommTrace comes back with the results
 
 
 def train_flags(ctx: JobContext) -> Outcome:
@@ -57,12 +58,10 @@ def train_flags(ctx: JobContext) -> Outcome:
     ]  # fmt: skip
     commands, logs = [], []
     comms = str(ctx.artifacts / "train_commtrace.json")
-    for name, (flags, _) in TRAIN_RUNS.items():
-        metrics = str(ctx.scratch / f"train_{name}.json")
-        flags = [comms if flag == "{comms}" else flag for flag in flags]
-        commands.append(
-            torchrun("train.py", *common, *flags, "--metrics-out", metrics, port=free_port())
-        )
+    for (name, (flags, _)), port in zip(TRAIN_RUNS.items(), free_ports(len(TRAIN_RUNS))):
+        metrics = ["--metrics-out", str(ctx.scratch / f"train_{name}.json")]
+        traced = ["--trace-comms", comms] if name == TRACED_RUN else []
+        commands.append(torchrun("train.py", *common, *flags, *traced, *metrics, port=port))
         logs.append(ctx.logs / f"train_{name}.log")
     finished = dict(zip(TRAIN_RUNS, run_commands(commands, logs, ctx.timeout_s)))
     outcome = Outcome()
@@ -114,7 +113,8 @@ def bench_train(ctx: JobContext, profile: bool) -> Outcome:
     if profile:
         args += ["--profile", str(folder), "--profile-steps", "1"]
     log = ctx.logs / f"bench_train{'_profile' if profile else ''}.log"
-    command = torchrun("benchmarks/bench_train.py", *args, port=free_port())
+    (port,) = free_ports(1)
+    command = torchrun("benchmarks/bench_train.py", *args, port=port)
     (finished,) = run_commands([command], [log], ctx.timeout_s)
     outcome = Outcome()
     lines = [line for line in finished.output.splitlines() if line.startswith("BENCH_JSON ")]

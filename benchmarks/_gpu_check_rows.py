@@ -26,10 +26,13 @@ from _gpu_check_train import (
 )
 
 MiB = 2**20
-# Ours' peak over torch's at W=1 on NCCL (no collective: the same buffers): the CUDA
-# caching allocator frees stream-ordered memory when the host reaches it, so a small
-# margin; one more block's parameters (the regression to catch) is 1.2% of the
-# "large" model's peak.
+# Ours' peak over torch's in fp32 at W=1 on NCCL (no collective: the same buffers; 1.000
+# measured on an H200): the CUDA caching allocator frees stream-ordered memory when the
+# host reaches it, so a small margin; one more block's parameters (the regression to
+# catch) is about 1% of the "large" model's peak. Elsewhere the peak is reported: under
+# bf16 and offload the two FSDPs' cast and host-to-device buffers may live differently
+# long without either being wrong, and on gloo ours' all-to-all receive buffer is
+# counted where gloo's own copies inside torch's reduce-scatter are not.
 PEAK_LIMIT_W1 = 1.005
 
 
@@ -163,13 +166,13 @@ def fp32(spec: RankSpec) -> Outcome:
 
 def bf16(spec: RankSpec) -> Outcome:
     # The plain model trains in fp32: no arithmetic to compare it with.
-    study = Study(trio(bf16=True), plain=(), shape="large", peak_limit=PEAK_LIMIT_W1)
+    study = Study(trio(bf16=True), plain=(), shape="large")
     return run_study(spec, study, "bf16")
 
 
 def offload(spec: RankSpec) -> Outcome:
     # Both FSDPs run AdamW on the CPU, the plain model on the device: within item 3.
-    return run_study(spec, Study(trio(offload=True), peak_limit=PEAK_LIMIT_W1), "offload")
+    return run_study(spec, Study(trio(offload=True)), "offload")
 
 
 def compile_blocks(spec: RankSpec) -> Outcome:

@@ -64,8 +64,9 @@ class Shape:
         )  # fmt: skip
 
 
-# "large": W=1 rows, whose step times mean something (86M parameters on CUDA: ~40 ms
-# steps on an H100); "small": the rest (17M). CPU tensors: one tiny model, for the logic.
+# "large": the W=1 NCCL rows, whose step times mean something (86M parameters, 8 x 512
+# tokens); "small": the rest (16M, 4 x 256 tokens per rank: gloo on CUDA is host-copy
+# bound). CPU tensors: one tiny model, for the logic.
 SHAPES = {
     "cuda": {
         "large": Shape(1024, 6, 8192, 512, 8, n_heads=16, n_kv_heads=8),
