@@ -29,10 +29,11 @@ from _gpu_check_train import (
     tokens_for,
     warm_up,
 )
+from _plan_cases import next_token_loss  # the loss bench_plan.py plans and measures
 from torch import nn
 
 import dtensor_fsdp
-from dtensor_fsdp.models.llama import Llama, cross_entropy_loss
+from dtensor_fsdp.models.llama import Llama
 from dtensor_fsdp.plan import shard_largest_module_list
 from dtensor_fsdp.plan.settings import OPTIMIZERS
 
@@ -92,7 +93,7 @@ def _steps_memory(
 
 
 def _memory_text(memory: list[tuple[int, int, int]]) -> str:
-    return ", ".join(f"({a / MiB:.1f}, {r / MiB:.1f}, {n})" for a, r, n in memory)
+    return ", ".join(f"({a / MiB:.3f}, {r / MiB:.3f}, {n})" for a, r, n in memory)
 
 
 def _check_device_timings(outcome: Outcome, trace: dtensor_fsdp.CommTrace) -> None:
@@ -248,7 +249,7 @@ def plan_peak(spec: RankSpec) -> Outcome:
         shape.vocab_size, (shape.batch_size, shape.seq_len + 1), generator=generator
     )
     predicted = dtensor_fsdp.plan(
-        lambda: Llama(shape.config()), world_size=1, batch=batch, loss_fn=_next_token_loss
+        lambda: Llama(shape.config()), world_size=1, batch=batch, loss_fn=next_token_loss
     ).peak_bytes
     rank = setup(spec)
     warm_up(shape, rank)
@@ -261,7 +262,7 @@ def plan_peak(spec: RankSpec) -> Outcome:
         tokens = batch.to(rank.device)
         for step in range(2):
             meter.step_begins(measured=step == 1)
-            _next_token_loss(model, tokens).backward()
+            next_token_loss(model, tokens).backward()
             optimizer.step()
             optimizer.zero_grad()
         measured = meter.peak()
@@ -274,7 +275,3 @@ def plan_peak(spec: RankSpec) -> Outcome:
     )  # fmt: skip
     outcome.metrics["plan_error"] = error
     return outcome
-
-
-def _next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    return cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])  # tokens (B, T + 1)

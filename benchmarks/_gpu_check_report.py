@@ -11,7 +11,6 @@ import dataclasses
 import math
 from typing import Any
 
-VERDICTS = ("ok", "MISMATCH", "ERROR", "SKIP")
 _DETAIL_WIDTH = 72  # the table's detail column; the full text comes before the table
 
 
@@ -35,9 +34,8 @@ class Outcome:
     notes: list[str] = dataclasses.field(default_factory=list)
     """What is reported without a verdict (timings, figures)."""
 
-    def check(self, name: str, ok: bool, detail: str) -> bool:
+    def check(self, name: str, ok: bool, detail: str) -> None:
         self.checks.append(Check(name, bool(ok), detail))
-        return bool(ok)
 
 
 @dataclasses.dataclass

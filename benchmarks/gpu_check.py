@@ -1,9 +1,9 @@
 """The GPU check: in one command, everything about dtensor_fsdp that only a GPU shows.
 
-    PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py --out $OUT     # ~5 min, one GPU
-    python benchmarks/gpu_check.py --only offload,w4_hpz              # rerun some rows
-    python benchmarks/gpu_check.py --list                             # the rows
-    python benchmarks/gpu_check.py --device cpu --only w2_fp32        # gloo rows, CPU tensors
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT  # one GPU, ~5 min (estimated)
+    python3 benchmarks/gpu_check.py --only offload,w4_hpz           # rerun some rows
+    python3 benchmarks/gpu_check.py --list                          # the rows
+    python3 benchmarks/gpu_check.py --device cpu --only w2_fp32     # a row on CPU tensors
 
 Every row compares ours (``dtensor_fsdp.fully_shard``) with torch's ``fully_shard`` on
 the same model, seed and tokens, and with the plain model where the arithmetic allows:
@@ -14,7 +14,8 @@ times against torch's and the plain model's; one profiled step per layout; ``pla
 peak against the measured one; CUDA memory across steps and ``CommTrace``'s device
 times; and the main job (``train.py``) and ``bench_train.py`` under torchrun. Each row
 runs in its own processes under a deadline, so a failure or a hang stops only that
-row; the script prints one table and exits 1 on any MISMATCH or ERROR.
+row; the script prints each row's detail, then one table, and exits 1 on any MISMATCH
+or ERROR.
 
 Without CUDA (and without ``--device cpu``) it prints that it skipped, and exits 0.
 ``--device cpu`` runs the rows on CPU tensors and gloo (W=1 too), tiny models: the
