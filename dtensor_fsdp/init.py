@@ -24,6 +24,12 @@ budget (no re-gathers when it holds the whole model) or lowers it to single para
 Tensor-parallel parameters (DTensors on a TP mesh) and parameters with an all-gather
 extension stay eager: their full tensor is registered for the whole context and is not
 counted in the budget.
+
+Device: the full parameters live on the compute device (the mesh's), also under CPU
+offload, where each rank's chunk is then copied to its shard on the host: init code
+draws from the same generator as the eager model on that device, so ``--meta-init
+--cpu-offload`` starts from the values of an eager run on the GPU (initializing the
+host shards directly would draw from the CPU's generator: other values).
 """
 
 from collections.abc import Iterator

@@ -14,9 +14,11 @@ from .param import FSDPParam
 
 
 def init_device(fsdp_param: FSDPParam) -> torch.device:
-    """Where ``init_unsharded`` puts this parameter's full tensor: with the sharded
-    param (on the CPU under CPU offload)."""
-    return fsdp_param._padded_shard.device
+    """Where ``init_unsharded`` puts this parameter's full tensor: the compute device,
+    also under CPU offload, so that init code draws from the generator the unsharded
+    model's eager init draws from there (the CPU's gives other values than a GPU's);
+    the write-back copies this rank's chunk to the offloaded shard."""
+    return fsdp_param.compute_device
 
 
 def full_for_init(fsdp_param: FSDPParam, gathered: bool) -> torch.Tensor:
@@ -27,7 +29,7 @@ def full_for_init(fsdp_param: FSDPParam, gathered: bool) -> torch.Tensor:
         return torch.empty(fsdp_param.shape, dtype=fsdp_param.dtype, device=init_device(fsdp_param))
     geometry = fsdp_param.geometry
     # Copies only under CPU offload: the collective runs on the mesh's device.
-    shard = fsdp_param._padded_shard.to(fsdp_param.compute_device)  # (*padded_local_shape)
+    shard = fsdp_param._padded_shard.to(init_device(fsdp_param))  # (*padded_local_shape)
     rows = shard.new_empty((geometry.world_size, *geometry.padded_local_shape))
     # 1-D on both sides: gloo checks the shapes.
     _all_gather_single(rows.view(-1), shard.reshape(-1), group=fsdp_param.mesh_info.shard_group)
@@ -35,7 +37,7 @@ def full_for_init(fsdp_param: FSDPParam, gathered: bool) -> torch.Tensor:
         full = rows.view(geometry.padded_unsharded_shape)[: fsdp_param.shape[0]]  # (*shape)
     else:  # (*shape[:dim], W, shape[dim] / W, ...) -> (*shape): concat along dim
         full = rows.movedim(0, geometry.dim).reshape(fsdp_param.shape)
-    return full.to(init_device(fsdp_param))
+    return full
 
 
 def register_full_for_init(fsdp_param: FSDPParam) -> nn.Parameter:

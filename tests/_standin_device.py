@@ -55,6 +55,10 @@ def register() -> None:
     lib.impl("_copy_from", lambda src, dst, non_blocking=False: dst, "PrivateUse1")
     lib.impl("copy_", lambda self, src, non_blocking=False: self, "PrivateUse1")
     lib.impl("zero_", lambda self: self, "PrivateUse1")
+    # In-place init (``nn.init``, ``reset_parameters``) inside ``init_unsharded``, whose
+    # full parameters live on the mesh's device: nothing to write.
+    for op in ("uniform_", "normal_", "fill_.Scalar"):
+        lib.impl(op, lambda self, *args, **kwargs: self, "PrivateUse1")
     # Views (slicing a param into its shard, DTensor's ``view_as``): shape only.
     lib.impl("view", lambda self, size: _new(_view_shape(self, size), self.dtype), "PrivateUse1")
     lib.impl(
