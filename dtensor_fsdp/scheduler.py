@@ -86,6 +86,10 @@ class CommContext:
         self.max_in_flight_reduce_scatters = max_in_flight_reduce_scatters
         self.streams = streams if streams is not None else CommStreams()
         self.post_forward_order: list[Prefetchable] = []
+        # Per group (by id), its positions in post_forward_order, one per forward use,
+        # popped by its pre-backwards (last use first), as torch's
+        # ``_post_forward_indices``: see `_implicit_backward_targets`.
+        self._post_forward_indices: dict[int, list[int]] = {}
         self.is_in_forward = False  # between the root's pre- and post-forward
         self.is_backward_callback_queued = False
         # set_divergence_check / set_nonfinite_grad_check: ranks agree before each
@@ -110,6 +114,7 @@ class CommContext:
         this forward's all-gathers read what the optimizer wrote (all of the compute
         stream's work so far, or just ``set_post_optim_event``'s event)."""
         self.post_forward_order.clear()
+        self._post_forward_indices.clear()
         self.is_in_forward = True
         if post_optim_event is not None:
             self.streams.wait_for_event(StreamRole.ALL_GATHER, post_optim_event)
@@ -134,11 +139,13 @@ class CommContext:
             self._kept_all_gather = None
 
     def record_post_forward(self, groups: list[Prefetchable]) -> None:
-        """A module's forward ended: its call's groups join the forward order, once
-        for the modules of a list call run one after the other."""
-        tail = self.post_forward_order[-len(groups) :]
-        if len(tail) != len(groups) or any(a is not b for a, b in zip(tail, groups)):
-            self.post_forward_order.extend(groups)
+        """A call's forward ended (a list call's: its last module's, or completed at the
+        root's post-forward): its groups join the forward order, once per use."""
+        for group in groups:
+            self._post_forward_indices.setdefault(id(group), []).append(
+                len(self.post_forward_order)
+            )
+            self.post_forward_order.append(group)
 
     def prefetch_forward(self, targets: list[Prefetchable]) -> None:
         """Explicit forward prefetch: issue the targets' all-gathers without waiting."""
@@ -162,13 +169,15 @@ class CommContext:
             target.unshard(async_op=True)
 
     def _implicit_backward_targets(self, groups: list[Prefetchable]) -> list[Prefetchable]:
-        """One group: the group recorded just before its last forward. Several (one
-        call on several meshes), as torch's: from the second group's last forward,
-        back past the call's own groups, every group of the call met first, in
-        reverse forward order (the order their backward runs)."""
+        """One group: the group recorded just before the forward whose backward this
+        is. Several (one call on several meshes), as torch's: from the second group's
+        forward, back past the call's own groups, every group of the call met first, in
+        reverse forward order (the order their backward runs). See
+        `_backward_position` for which forward."""
         order = self.post_forward_order
-        anchor = groups[0] if len(groups) == 1 else groups[1]
-        last = next((i for i in range(len(order) - 1, -1, -1) if order[i] is anchor), None)
+        # Every group of the call pops its own position, as each of torch's does.
+        positions = [self._backward_position(g) for g in groups]
+        anchor, last = (groups[0], positions[0]) if len(groups) == 1 else (groups[1], positions[1])
         if last is None:
             return []
         if len(groups) == 1:
@@ -181,6 +190,24 @@ class CommContext:
                 break
             targets.append(target)
         return targets
+
+    def _backward_position(self, group: Prefetchable) -> int | None:
+        """Where in this iteration's forward order the forward of ``group`` whose
+        backward starts now ran: its positions are popped, last use first, as torch's
+        ``_post_forward_indices``. A module used twice in one forward runs post-backward
+        after each use's backward (`FSDPParamGroup.post_backward`), so the earlier use's
+        backward must prefetch what ran before *that* use, not again what ran before
+        the later one, whose backward is over.
+
+        With its positions used up, or cleared by a later forward of the root (two
+        forwards, then the backward of their sum: torch keeps both forwards' orders,
+        ours the last one's), its last position stands for them; None if it ran no
+        forward this iteration."""
+        indices = self._post_forward_indices.get(id(group))
+        if indices:
+            return indices.pop()
+        order = self.post_forward_order
+        return next((i for i in range(len(order) - 1, -1, -1) if order[i] is group), None)
 
     def make_room_for_reduce_scatter(self) -> None:
         """Before a group allocates its reduce-scatter input: finish the oldest
@@ -221,6 +248,7 @@ class CommContext:
     def reset(self) -> None:
         """Drop per-iteration state (end of backward, or after an exception)."""
         self.post_forward_order.clear()
+        self._post_forward_indices.clear()
         self.is_in_forward = False
         self.is_backward_callback_queued = False
         self.release_kept_all_gather()

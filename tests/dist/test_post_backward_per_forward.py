@@ -9,6 +9,10 @@ Scenarios (4 blocks of ``Linear(256, 256)`` + the root's head):
   logging), then training steps;
 - ``one_backward_each``: two forwards, then one backward for each;
 - ``summed``: two forwards summed into one loss, one backward;
+- ``reused``: a block used twice in one forward (blocks 0, 1, 0, 2, 3): post-backward
+  runs after each use's backward, and the earlier use's backward prefetches the block
+  before *that* use (none), not again the one before the later use (block 1, reduced
+  and resharded by then: an all-gather nobody reads);
 - ``kept_on_rank0`` (its own spawn, under a deadline): every rank runs the forward,
   only rank 0 keeps its output. A
   post-backward that waited for the kept forward's nodes would run at the end of
@@ -42,22 +46,23 @@ IMPLS = {"ours": ours_fully_shard, "torch": torch_fully_shard}
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, order: tuple[int, ...]) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU()) for _ in range(BLOCKS)
         )
         self.head = nn.Linear(DIM, DIM)
+        self.order = order  # the blocks the forward runs, by index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
+        for i in self.order:
+            x = self.blocks[i](x)
         return self.head(x)
 
 
-def _build(shard: Any) -> Net:
+def _build(shard: Any, order: tuple[int, ...] = tuple(range(BLOCKS))) -> Net:
     torch.manual_seed(0)
-    model = Net()
+    model = Net(order)
     mesh = init_device_mesh("cpu", (2,))
     for block in model.blocks:
         shard(block, mesh=mesh)
@@ -79,19 +84,29 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
 
 
+def _steps(model: Net) -> dict[str, list]:
+    """``STEPS`` forwards and backwards: each backward's collectives, and the grads."""
+    collectives, grads = [], []
+    for _ in range(STEPS):
+        collectives.append(_backward(model(torch.randn(4, DIM)).sum()))
+        grads.append(_grads(model))
+        model.zero_grad()
+    return {"collectives": collectives, "grads": grads}
+
+
 def _kept(shard: Any, keep: bool = True) -> dict[str, list]:
     model = _build(shard)
     kept = model(torch.randn(4, DIM))  # every rank runs it: forward all-gathers
     if not keep:
         del kept  # its graph, and its post-backward nodes, go with it
         kept = None
-    collectives, grads = [], []
-    for _ in range(STEPS):
-        collectives.append(_backward(model(torch.randn(4, DIM)).sum()))
-        grads.append(_grads(model))
-        model.zero_grad()
+    record = _steps(model)
     del kept
-    return {"collectives": collectives, "grads": grads}
+    return record
+
+
+def _reused(shard: Any) -> dict[str, list]:
+    return _steps(_build(shard, order=(0, 1, 0, 2, 3)))
 
 
 def _one_backward_each(shard: Any) -> dict[str, list]:
@@ -107,7 +122,12 @@ def _summed(shard: Any) -> dict[str, list]:
     return {"collectives": [_backward(loss)], "grads": [_grads(model)]}
 
 
-SCENARIOS = {"kept": _kept, "one_backward_each": _one_backward_each, "summed": _summed}
+SCENARIOS = {
+    "kept": _kept,
+    "one_backward_each": _one_backward_each,
+    "summed": _summed,
+    "reused": _reused,
+}
 
 
 def _run(rank: int, world_size: int) -> dict[str, tuple[str, Any]]:
