@@ -184,7 +184,7 @@ def _load_residuals(
 
 def _adopt_assigned(params: list[_HeldParam]) -> Callable[..., None]:
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
-        taken = [p.group for p in params if _take_assigned(p.fsdp_param, module, p.name)]
+        taken = [p.group for p in params if _take_assigned(p, module)]
         for group in {id(g): g for g in taken}.values():
             # The group's last module loaded: its sharded buffer is re-derived from what
             # the sharded params hold now. A slot still replaced belongs to a module whose
@@ -237,24 +237,27 @@ def _to_placements(
     return value.redistribute(mesh, placements)
 
 
-def _take_assigned(fsdp_param: FSDPParam, module: nn.Module, name: str) -> bool:
+def _take_assigned(held: _HeldParam, module: nn.Module) -> bool:
     """After ``load_state_dict(assign=True)`` registered a new Parameter in this slot,
     make its values the sharded param's, which stays the registered object (README,
     differences) in every slot. Returns whether there was one.
 
     Materialized, the values are copied into the sharded param's local tensor in place,
     cast to its dtype. On ``meta`` there is nothing to copy into: the sharded param
-    takes the assigned local tensor (``swap_tensors``, as ``nn.Module._apply`` swaps a
-    DTensor param for ``to_empty``), and the group re-derives its sharded buffer from
-    it, as after ``to_empty`` ([Note: re-deriving the sharded state] in param_group.py).
+    takes the assigned local tensor, moved to where the group keeps it (the host under
+    CPU offload, as torch's pinned offload moves it: a DTensor on the device mesh holds
+    its shard on the device), by ``swap_tensors``, as ``nn.Module._apply`` swaps a
+    DTensor param for ``to_empty``; the group re-derives its sharded buffer from it,
+    as after ``to_empty`` ([Note: re-deriving the sharded state] in param_group.py).
     """
-    assigned = module._parameters.get(name)
+    fsdp_param = held.fsdp_param
+    assigned = module._parameters.get(held.name)
     param = fsdp_param.sharded_param
     if assigned is param or assigned is None:
         return False
     assert isinstance(assigned, DTensor), f"{fsdp_param.fqn}: the load pre-hook shards it"
     with torch.no_grad():
-        local = assigned._local_tensor.to(fsdp_param.dtype)  # (*local_shape)
+        local = assigned.to_local().to(_load_device(held), fsdp_param.dtype)  # (*local_shape)
         if fsdp_param.registered_local().is_meta:
             adopted = nn.Parameter(fsdp_param._sharded_dtensor(local), param.requires_grad)
             torch.utils.swap_tensors(param, adopted)
@@ -428,10 +431,10 @@ def save_full_state_dict(module: nn.Module, path: str, *, format: str = "safeten
     Every rank must call it: each tensor is all-gathered, one at a time. Error-feedback
     residuals (``CommPrecisionPolicy.error_feedback``) are left out: training state, not
     weights. The file appears atomically (written to ``path.tmp``, then renamed): a crash
-    mid-write leaves no file at ``path``. If rank 0 cannot write (a full disk, a missing directory), it
-    keeps joining the gathers, removes ``path.tmp``, and every rank raises the same
-    ``RuntimeError`` once the last tensor is gathered: no rank waits for a rank that
-    failed.
+    mid-write leaves no file at ``path``. If rank 0 cannot write (a full disk, a missing
+    directory), it keeps joining the gathers, removes ``path.tmp``, and every rank raises
+    the same ``RuntimeError`` once the last tensor is gathered: no rank waits for a rank
+    that failed.
 
     Args:
         module: the (fully-sharded) module.

@@ -20,8 +20,9 @@ the bug on this machine. The stand-in accelerator (tests/_standin_device.py: a d
 type whose tensors hold no storage) gives a ``DeviceMesh("standin", ...)`` on CPU-only
 torch: the placements after ``fully_shard``, ``to_empty`` and ``init_unsharded``, a
 state-dict load, a local-shard optimizer step and ``clip_grad_norm_`` run on it, with
-the shards, grads and state on the host. Without the fix the sharded params land on
-``standin:0``, as they landed on ``cuda:0``.
+the shards, grads and state on the host, and so does ``load_state_dict(assign=True)``
+of DTensors on the device mesh into a model built on meta. Without the fix the
+sharded params land on ``standin:0``, as they landed on ``cuda:0``.
 
 Last, ``train.py --cpu-offload`` (eager and ``--meta-init``) trains bitwise as without.
 """
@@ -59,6 +60,7 @@ from tests.dist._mlp import mlp, shard_mlp
 from tests.dist._parity import local_pairs
 
 WORLD_SIZE = 2
+Run = list[dict[str, Any]]  # each rank's scenario records
 ROUTES = {
     "ours": ("eager", "on_device", "meta", "meta_init_unsharded"),
     "torch": ("eager", "on_device", "meta"),
@@ -274,6 +276,29 @@ def _standin_load(mesh: DeviceMesh) -> dict[str, Any]:
     }
 
 
+def _standin_meta_assign(mesh: DeviceMesh) -> dict[str, Any]:
+    """``load_state_dict(assign=True)`` into a model built on meta with CPU offload, of
+    DTensors laid out as the sharded params on the device mesh (torch's documented
+    route: ``distribute_tensor`` of each full value puts its shard on the device): the
+    `placements` after the load."""
+    with torch.device("meta"):
+        model = mlp()
+    shard_mlp(model, mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    on_device = {
+        name: DTensor.from_local(
+            torch.empty(p.to_local().shape, device=standin.DEVICE_TYPE),
+            mesh,
+            p.placements,
+            run_check=False,
+            shape=p.shape,
+            stride=p.stride(),
+        )
+        for name, p in model.named_parameters()
+    }
+    model.load_state_dict(on_device, assign=True)
+    return placements(model)
+
+
 def _compared(a: torch.Tensor, b: torch.Tensor) -> tuple[str, str, bool]:
     """Both device types and, where both are on the host, whether ``a`` equals ``b``
     (a standin tensor has no values to compare, nor to send back to the parent)."""
@@ -385,6 +410,7 @@ def _run(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     if standin.is_supported():  # last: the first registers the device type for good
         scenarios["standin"] = lambda: _standin_placements(_standin_mesh())
         scenarios["standin_load"] = lambda: _standin_load(_standin_mesh())
+        scenarios["standin_meta_assign"] = lambda: _standin_meta_assign(_standin_mesh())
         scenarios["standin_optimizer"] = lambda: _standin_optimizer(_standin_mesh())
         scenarios["standin_clip"] = lambda: _standin_clip(_standin_mesh())
         scenarios["standin_tensor_parallel_init"] = _standin_tensor_parallel_init
@@ -395,12 +421,12 @@ def _run(rank: int, world_size: int, directory: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     directory = str(tmp_path_factory.mktemp("offload"))
     return run_distributed(_run, WORLD_SIZE, directory, timeout=300)
 
 
-def test_sharded_params_grads_and_state_stay_on_the_host_as_torchs(run) -> None:
+def test_sharded_params_grads_and_state_stay_on_the_host_as_torchs(run: Run) -> None:
     for records in scenario_records(run, "cpu"):
         check_offload_records(records, "cpu", pin_memory=False)
 
@@ -411,7 +437,7 @@ needs_standin = pytest.mark.skipif(
 
 
 @needs_standin
-def test_standin_accelerator_sharded_params_are_views_of_the_host_buffer(run) -> None:
+def test_standin_accelerator_sharded_params_are_views_of_the_host_buffer(run: Run) -> None:
     for records in scenario_records(run, "standin"):
         for key, record in records.items():
             for name, where in record["params"].items():
@@ -422,7 +448,7 @@ def test_standin_accelerator_sharded_params_are_views_of_the_host_buffer(run) ->
 
 
 @needs_standin
-def test_standin_accelerator_load_state_dict_keeps_the_host_shards(run) -> None:
+def test_standin_accelerator_load_state_dict_keeps_the_host_shards(run: Run) -> None:
     for record in scenario_records(run, "standin_load"):
         for name, where in record["placements"]["params"].items():
             assert where == ("cpu", True, False), (name, where)
@@ -431,7 +457,16 @@ def test_standin_accelerator_load_state_dict_keeps_the_host_shards(run) -> None:
 
 
 @needs_standin
-def test_standin_accelerator_local_shard_step_keeps_state_on_the_host(run) -> None:
+def test_standin_accelerator_assign_load_into_meta_lands_on_the_host(run: Run) -> None:
+    # torch's with pin_memory (its default) moves each assigned shard to the host too;
+    # without, it leaves it on the device and lazy init refuses it.
+    for record in scenario_records(run, "standin_meta_assign"):
+        for name, where in record["params"].items():
+            assert where == ("cpu", True, False), (name, where)
+
+
+@needs_standin
+def test_standin_accelerator_local_shard_step_keeps_state_on_the_host(run: Run) -> None:
     for record in scenario_records(run, "standin_optimizer"):
         assert record["state"]["local"] == record["state"]["dtensor"]
         assert all(devices == ["cpu", "cpu"] for devices in record["state"]["local"].values())
@@ -440,7 +475,7 @@ def test_standin_accelerator_local_shard_step_keeps_state_on_the_host(run) -> No
 
 
 @needs_standin
-def test_standin_accelerator_total_norm_is_where_torchs_is(run) -> None:
+def test_standin_accelerator_total_norm_is_where_torchs_is(run: Run) -> None:
     for ours, theirs in scenario_records(run, "standin_clip"):
         assert ours[0] == theirs[0] == "cpu", (ours, theirs)
         # The same squares summed in another order (per-rank, then across ranks).
@@ -448,7 +483,7 @@ def test_standin_accelerator_total_norm_is_where_torchs_is(run) -> None:
 
 
 @needs_standin
-def test_standin_accelerator_tensor_parallel_init_unsharded_back_on_the_host(run) -> None:
+def test_standin_accelerator_tensor_parallel_init_unsharded_back_on_the_host(run: Run) -> None:
     for record in scenario_records(run, "standin_tensor_parallel_init"):
         # Full params on the compute device (the generator an eager model draws from).
         assert set(record["inside"].values()) == {standin.DEVICE_TYPE}, record["inside"]
@@ -457,13 +492,13 @@ def test_standin_accelerator_tensor_parallel_init_unsharded_back_on_the_host(run
 
 
 @needs_standin
-def test_standin_accelerator_init_unsharded_names_the_offload_fix(run) -> None:
+def test_standin_accelerator_init_unsharded_names_the_offload_fix(run: Run) -> None:
     for message in scenario_records(run, "standin_to_empty_on_device"):
         assert "with CPU offloading FSDP parameters should be materialized on CPU" in message
         assert 'module.to_empty(device="cpu")' in message
 
 
-def test_train_py_cpu_offload_trains_bitwise_as_without(run) -> None:
+def test_train_py_cpu_offload_trains_bitwise_as_without(run: Run) -> None:
     plain = scenario_records(run, "train_plain")[0]
     for label in ("offload", "meta_offload"):
         metrics = scenario_records(run, f"train_{label}")[0]
