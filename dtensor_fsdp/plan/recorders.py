@@ -50,6 +50,16 @@ class FrozenSafeMemTracker(MemTracker):
     a parameter's and hooks the others as before.
     """
 
+    def __init__(self) -> None:
+        # Overriding a method MemTracker no longer has would be silently dead: its own
+        # hook would then raise on the first frozen parameter, naming neither.
+        if not callable(getattr(MemTracker, "_track_module_params_and_buffers", None)):
+            raise RuntimeError(
+                "MemTracker's _track_module_params_and_buffers changed: update "
+                "FrozenSafeMemTracker"
+            )
+        super().__init__()
+
     def _track_module_params_and_buffers(
         self, module: torch.nn.Module, install_grad_hooks: bool = True
     ) -> tuple[int, int]:

@@ -12,12 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dtensor_fsdp import Plan, plan
 from dtensor_fsdp.models.llama import Llama, LlamaConfig, cross_entropy_loss
 from dtensor_fsdp.plan import replan
 from dtensor_fsdp.plan.compose import compose
+from dtensor_fsdp.plan.recorders import FrozenSafeMemTracker
 
 CONFIG = LlamaConfig.tiny()
 
@@ -124,6 +126,16 @@ def test_frozen_params_are_gathered_not_reduced(frozen: tuple[str, ...]) -> None
     assert full.sharded_grad_bytes - tuned.sharded_grad_bytes == sum(frozen_bytes.values()) // 4
     assert tuned.optimizer_state_bytes < full.optimizer_state_bytes
     assert tuned.peak_bytes < full.peak_bytes
+
+
+def test_frozen_safe_tracker_fails_loudly_if_memtracker_moves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The method it overrides is private to torch: if a release renames it, the
+    tracker refuses to start rather than be silently bypassed."""
+    monkeypatch.delattr(MemTracker, "_track_module_params_and_buffers")
+    with pytest.raises(RuntimeError, match="update FrozenSafeMemTracker"):
+        FrozenSafeMemTracker()
 
 
 def test_to_json_and_table(adamw_plan: Plan) -> None:
