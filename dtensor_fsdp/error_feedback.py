@@ -169,9 +169,7 @@ def attribute_tree(states: Mapping[str, torch.Tensor]) -> SimpleNamespace:
         *path, name = key.split(".")
         node = tree
         for part in path:
-            if not hasattr(node, part):
-                setattr(node, part, SimpleNamespace())
-            node = getattr(node, part)
+            node = vars(node).setdefault(part, SimpleNamespace())
         setattr(node, name, value)
     return tree
 
