@@ -66,6 +66,7 @@ EF = CommPrecisionPolicy(
 NO_EF = CommPrecisionPolicy(all_gather="int8", reduce_scatter="int8", block_size=64)
 # The default filter quantizes the 2-D params: each Linear's weight. Linear(64, 9)'s 9
 # rows are uneven over 2 ranks: its residual rows carry padding, dropped in the state.
+Run = list[dict[str, Any]]  # each rank's scenario records
 EF_KEYS = [
     "0._fsdp_error_feedback.weight",
     "2._fsdp_error_feedback.weight",
@@ -97,7 +98,9 @@ def _sharded(
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
-def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: range, dp: tuple[int, int]):
+def _train(
+    model: nn.Module, optim: torch.optim.Optimizer, steps: range, dp: tuple[int, int]
+) -> list[float]:
     """Steps ``steps`` on this data-parallel rank's slice ``dp = (index, parts)`` of a
     fixed global batch per step; the losses."""
     losses = []
@@ -342,12 +345,12 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def run(tmp: str) -> list[dict]:
+def run(tmp: str) -> Run:
     return run_distributed(_worker, WORLD_SIZE, tmp, timeout=240)
 
 
 @pytest.fixture(scope="module")
-def hsdp_run(run: list[dict], tmp: str) -> list[dict]:
+def hsdp_run(run: Run, tmp: str) -> Run:
     # After `run`: its W=2 checkpoint is loaded here at a data-parallel world size of 4.
     return run_distributed(_hsdp_worker, 4, tmp, timeout=240)
 
@@ -360,47 +363,40 @@ def _assert_bitwise(reference: dict[str, Any], resumed: dict[str, Any], rank: in
             assert torch.equal(resumed[what][key], expected), f"rank {rank}: {what} {key}"
 
 
+def _resumed_pairs(run: Run, reference: str, resumed: str) -> list[tuple[dict, dict]]:
+    """Each rank's records of scenarios ``reference`` and ``resumed``, asserted bitwise
+    equal; the reference's residuals are all there and not zero (else a restart at zero
+    would pass too)."""
+    pairs = list(
+        zip(scenario_records(run, reference), scenario_records(run, resumed), strict=True)
+    )
+    for rank, (ref, res) in enumerate(pairs):
+        _assert_bitwise(ref, res, rank)
+        assert len(ref["residuals"]) == len(EF_KEYS), f"rank {rank}"
+        assert all(r.abs().max() > 0 for r in ref["residuals"].values()), f"rank {rank}"
+    return pairs
+
+
 @pytest.mark.parametrize("route", list(ROUTES))
-def test_resume_is_bitwise_the_uninterrupted_run(run, route):
-    references = scenario_records(run, "uninterrupted")
-    for rank, (reference, resumed) in enumerate(
-        zip(references, scenario_records(run, route), strict=True)
-    ):
-        _assert_bitwise(reference, resumed, rank)
-        assert len(reference["residuals"]) == len(EF_KEYS)
-        # The residuals are not zero (else a restart at zero would pass too).
-        assert all(r.abs().max() > 0 for r in reference["residuals"].values())
+def test_resume_is_bitwise_the_uninterrupted_run(run: Run, route: str) -> None:
+    for _, resumed in _resumed_pairs(run, "uninterrupted", route):
         assert resumed["warnings"] == []
 
 
-def test_shard_dim_1_resume_is_bitwise(run):
-    for rank, (reference, resumed) in enumerate(
-        zip(
-            scenario_records(run, "shard_1_uninterrupted"),
-            scenario_records(run, "shard_1_checkpoint"),
-            strict=True,
-        )
-    ):
-        _assert_bitwise(reference, resumed, rank)
+def test_shard_dim_1_resume_is_bitwise(run: Run) -> None:
+    _resumed_pairs(run, "shard_1_uninterrupted", "shard_1_checkpoint")
 
 
-def test_checkpoint_without_residuals_restarts_them_at_zero_with_a_warning(run):
+def test_checkpoint_without_residuals_restarts_them_at_zero_with_a_warning(run: Run) -> None:
     """Saved without error feedback: the resumed run is the one that switched error
     feedback on at the checkpoint (``set_comm_precision`` starts at zero)."""
-    for rank, (reference, resumed) in enumerate(
-        zip(
-            scenario_records(run, "no_ef_uninterrupted"),
-            scenario_records(run, "no_ef_checkpoint"),
-            strict=True,
-        )
-    ):
-        _assert_bitwise(reference, resumed, rank)
+    for _, resumed in _resumed_pairs(run, "no_ef_uninterrupted", "no_ef_checkpoint"):
         assert len(resumed["warnings"]) == 1
         assert "restart at zero" in resumed["warnings"][0]
         assert all(key in resumed["warnings"][0] for key in EF_KEYS)
 
 
-def test_state_dict_keys_are_torch_unless_error_feedback_is_on(run):
+def test_state_dict_keys_are_torch_unless_error_feedback_is_on(run: Run) -> None:
     for keys in scenario_records(run, "keys"):
         assert keys["none"] == keys["torch"]
         assert keys["no_ef"] == keys["torch"]
@@ -408,28 +404,20 @@ def test_state_dict_keys_are_torch_unless_error_feedback_is_on(run):
         assert keys["ef_export"] == keys["torch"]
 
 
-def test_hsdp_resume_is_bitwise(hsdp_run):
-    for rank, (reference, resumed) in enumerate(
-        zip(
-            scenario_records(hsdp_run, "uninterrupted"),
-            scenario_records(hsdp_run, "dcp_get_state_dict"),
-            strict=True,
-        )
-    ):
-        _assert_bitwise(reference, resumed, rank)
-        assert all(r.abs().max() > 0 for r in reference["residuals"].values())
+def test_hsdp_resume_is_bitwise(hsdp_run: Run) -> None:
+    _resumed_pairs(hsdp_run, "uninterrupted", "dcp_get_state_dict")
 
 
-def test_residual_of_another_world_size_is_refused_whole(run):
-    for record in scenario_records(run, "bad_residual"):
+def test_residual_of_another_world_size_is_refused_whole(run: Run) -> None:
+    for rank, record in enumerate(scenario_records(run, "bad_residual")):
         assert record["error"] is not None
         assert "nothing was loaded" in record["error"]
         assert f"'{EF_KEYS[0]}': shape (4, 48, 20), expected (2, 48, 20)" in record["error"]
         assert "another data-parallel world size" in record["error"]
-        _assert_bitwise(record["before"], record["after"], 0)
+        _assert_bitwise(record["before"], record["after"], rank)
 
 
-def test_residuals_ignored_with_a_warning_without_error_feedback(run):
+def test_residuals_ignored_with_a_warning_without_error_feedback(run: Run) -> None:
     for record in scenario_records(run, "without_error_feedback"):
         assert record["equal"]
         # One warning per fully_shard module, naming its residuals.
@@ -437,7 +425,7 @@ def test_residuals_ignored_with_a_warning_without_error_feedback(run):
         assert all(any(key in w for w in record["warnings"]) for key in EF_KEYS)
 
 
-def test_checkpoint_at_another_world_size_restarts_residuals_at_zero(hsdp_run):
+def test_checkpoint_at_another_world_size_restarts_residuals_at_zero(hsdp_run: Run) -> None:
     for record in scenario_records(hsdp_run, "other_world_size"):
         assert record["zero"]
         assert len(record["warnings"]) == 1
@@ -446,16 +434,7 @@ def test_checkpoint_at_another_world_size_restarts_residuals_at_zero(hsdp_run):
         assert len(record["losses"]) == STEPS - RESUME_AT
 
 
-def test_tensor_parallel_resume_is_bitwise(hsdp_run):
+def test_tensor_parallel_resume_is_bitwise(hsdp_run: Run) -> None:
     """FSDP x TP (2 x 2): the residual rows are over the data-parallel axis, and TP
     shards them as the params (Linear 0 by rows, Linear 2 by columns)."""
-    for rank, (reference, resumed) in enumerate(
-        zip(
-            scenario_records(hsdp_run, "tp_uninterrupted"),
-            scenario_records(hsdp_run, "tp_checkpoint"),
-            strict=True,
-        )
-    ):
-        _assert_bitwise(reference, resumed, rank)
-        assert len(reference["residuals"]) == len(EF_KEYS)
-        assert all(r.abs().max() > 0 for r in reference["residuals"].values())
+    _resumed_pairs(hsdp_run, "tp_uninterrupted", "tp_checkpoint")
