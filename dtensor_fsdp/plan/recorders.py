@@ -53,10 +53,9 @@ class FrozenSafeMemTracker(MemTracker):
     def __init__(self) -> None:
         # Overriding a method MemTracker no longer has would be silently dead: its own
         # hook would then raise on the first frozen parameter, naming neither.
-        if not callable(getattr(MemTracker, "_track_module_params_and_buffers", None)):
+        if getattr(MemTracker, "_track_module_params_and_buffers", None) is None:
             raise RuntimeError(
-                "MemTracker's _track_module_params_and_buffers changed: update "
-                "FrozenSafeMemTracker"
+                "MemTracker's _track_module_params_and_buffers changed: update FrozenSafeMemTracker"
             )
         super().__init__()
 
