@@ -36,25 +36,12 @@ from tests.dist._parity import (
     mean_over_world,
     placements,
 )
+from tests.dist._tiny_llama import uneven_config
 
 WORLD_SIZE = 2
 STEPS = 2
 BATCH = 2  # sequences per rank
 INIT_SEED = 1
-
-
-def _config(tie: bool) -> LlamaConfig:
-    # 97 vocabulary rows are uneven over 2 ranks: the last shard is padded.
-    return LlamaConfig(
-        vocab_size=97,
-        dim=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_hidden_dim=88,
-        max_seq_len=16,
-        tie_embeddings=tie,
-    )
 
 
 def _shard(model: Llama, mesh: Any) -> Llama:
@@ -72,7 +59,7 @@ def _eager(config: LlamaConfig) -> Llama:
 
 
 def _meta_init(rank: int, mesh: Any, tie: bool) -> dict[str, Any]:
-    config = _config(tie)
+    config = uneven_config(tie)
     eager = _eager(config)
     with torch.device("meta"):
         model = Llama(config)
@@ -126,7 +113,7 @@ def _meta_init(rank: int, mesh: Any, tie: bool) -> dict[str, Any]:
 
 def _init_before_to_empty(mesh: Any) -> str | None:
     with torch.device("meta"):
-        model = Llama(_config(tie=False))
+        model = Llama(uneven_config(tie=False))
     _shard(model, mesh)
     try:
         with init_unsharded(model):
@@ -139,7 +126,7 @@ def _init_before_to_empty(mesh: Any) -> str | None:
 def _sharded_init_differs(mesh: Any) -> bool:
     """Initializing the sharded DTensors directly (no init_unsharded) runs, but draws
     other numbers than eager init: the reason init_unsharded exists."""
-    config = _config(tie=False)
+    config = uneven_config(tie=False)
     eager = _eager(config)
     with torch.device("meta"):
         model = Llama(config)
@@ -167,7 +154,7 @@ def _stats(cache: Any) -> dict[str, int]:
 
 def _meta_llama(mesh: Any, shard: Callable[..., Any] = fully_shard) -> Llama:
     with torch.device("meta"):
-        model = Llama(_config(tie=False))
+        model = Llama(uneven_config(tie=False))
     for block in model.layers:
         shard(block, mesh=mesh)
     shard(model, mesh=mesh)
@@ -178,7 +165,7 @@ def _meta_llama(mesh: Any, shard: Callable[..., Any] = fully_shard) -> Llama:
 def _torch_reference(mesh: Any) -> dict[str, Any]:
     """torch's fully_shard reaches the eager values only by loading a full state dict
     (the whole model on every rank); initializing its shards directly differs."""
-    eager = _eager(_config(tie=False))
+    eager = _eager(uneven_config(tie=False))
     ours = _meta_llama(mesh)
     torch.manual_seed(INIT_SEED)
     with init_unsharded(ours):

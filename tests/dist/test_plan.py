@@ -33,6 +33,7 @@ from dtensor_fsdp.plan.recorders import FrozenSafeMemTracker, collective_totals
 from dtensor_fsdp.plan.settings import largest_module_list
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests.dist._tiny_llama import frozen_tiny_llama
 
 CONFIG = LlamaConfig.tiny()
 BATCH = (2, 33)  # (sequences per rank, tokens + 1)
@@ -44,18 +45,6 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 def _llama() -> nn.Module:
     return Llama(CONFIG)
-
-
-def _frozen(*fqns: str) -> Callable[[], nn.Module]:
-    """The tiny Llama with the modules ``fqns`` frozen, as a fine-tuning job does."""
-
-    def build() -> nn.Module:
-        model = Llama(CONFIG)
-        for fqn in fqns:
-            model.get_submodule(fqn).requires_grad_(False)
-        return model
-
-    return build
 
 
 def _lora() -> nn.Module:
@@ -70,10 +59,10 @@ HAS_PEFT = importlib.util.find_spec("peft") is not None
 # Scenarios whose model is not the plain tiny Llama.
 MODELS: dict[str, Callable[[], nn.Module]] = {
     # The backward reaches the frozen block (its input needs grad): gathered again.
-    "frozen_block": _frozen("layers.0"),
-    "frozen_embedding": _frozen("tok_embeddings"),
+    "frozen_block": frozen_tiny_llama("layers.0"),
+    "frozen_embedding": frozen_tiny_llama("tok_embeddings"),
     # The backward does not reach layers.0: gathered again only as layers.1's prefetch.
-    "frozen_prefix": _frozen("tok_embeddings", "layers.0"),
+    "frozen_prefix": frozen_tiny_llama("tok_embeddings", "layers.0"),
     "lora": _lora,
 }
 # Scenarios also run by torch's fully_shard ("torch_<name>"), same groups and settings.

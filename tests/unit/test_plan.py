@@ -6,7 +6,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from dtensor_fsdp.models.llama import Llama, LlamaConfig, cross_entropy_loss
 from dtensor_fsdp.plan import replan
 from dtensor_fsdp.plan.compose import compose
 from dtensor_fsdp.plan.recorders import FrozenSafeMemTracker
+from tests.dist._tiny_llama import frozen_tiny_llama
 
 CONFIG = LlamaConfig.tiny()
 
@@ -82,18 +82,6 @@ def test_collectives_per_group(adamw_plan: Plan) -> None:
     )
 
 
-def _frozen(*fqns: str) -> Callable[[], nn.Module]:
-    """The tiny Llama with the modules ``fqns`` frozen, as a fine-tuning job does."""
-
-    def build() -> nn.Module:
-        model = Llama(CONFIG)
-        for fqn in fqns:
-            model.get_submodule(fqn).requires_grad_(False)
-        return model
-
-    return build
-
-
 @pytest.mark.parametrize(
     "frozen",
     [("layers.0",), ("tok_embeddings",), ("tok_embeddings", "layers.0")],
@@ -105,14 +93,14 @@ def test_frozen_params_are_gathered_not_reduced(frozen: tuple[str, ...]) -> None
     prefetch of layers.1's backward), reduce-scatters only those with a gradient, and
     not at all when it has none; no gradient or optimizer state for frozen params."""
     full, tuned = _plan(), plan(
-        _frozen(*frozen),
+        frozen_tiny_llama(*frozen),
         world_size=4,
         batch=lambda: torch.randint(0, CONFIG.vocab_size, (2, 33)),
         loss_fn=_loss,
     )
     # W=4 divides every dim 0 of the tiny Llama: no padding, shards are a quarter.
     frozen_bytes = {
-        fqn: sum(p.numel() * 4 for p in _frozen()().get_submodule(fqn).parameters())
+        fqn: sum(p.numel() * 4 for p in frozen_tiny_llama()().get_submodule(fqn).parameters())
         for fqn in frozen
     }
     group_of = {"layers.0": "layers.0", "tok_embeddings": ""}
