@@ -5,8 +5,9 @@ torch's documented FSDP2 route (torchtune loads this way): build on ``meta``,
 ``fully_shard`` each block and the root, then load a state dict of
 ``nn.Parameter(distribute_tensor(full, mesh, placements))``. No parameter may be left
 on ``meta``, the values must be the loaded ones, and training must go on exactly as
-torch's: losses and local shards bitwise equal over a few AdamW steps (the same local
-arithmetic on both sides, [Note: parity tolerances] item 1 in _parity.py). Ours also
+torch's: losses, local grads and local shards bitwise equal at each of a few AdamW
+steps (the same local arithmetic on both sides, [Note: parity tolerances] item 1 in
+_parity.py). Ours also
 takes plain full tensors (what ``load_full_state_dict`` returns; each rank keeps its
 chunk, as in a load without ``assign``); torch's raises on them (its post-load hook
 reads ``_local_tensor`` of the plain Parameter). Layouts: a group per block, one
@@ -21,36 +22,30 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 
 from dtensor_fsdp import fully_shard
-from dtensor_fsdp.models.llama import Llama, LlamaConfig, cross_entropy_loss, rope_tables
+from dtensor_fsdp.models.llama import Llama, cross_entropy_loss, rope_tables
 from tests._harness import run_distributed, run_scenarios, scenario_records
-from tests.dist._parity import assert_pairs_equal, local_pairs, make_optimizer, placements
+from tests.dist._parity import (
+    assert_pairs_equal,
+    local_pairs,
+    make_optimizer,
+    placements,
+    step_against_torch,
+)
+from tests.dist._tiny_llama import uneven_config
 
 WORLD_SIZE = 2
 STEPS = 3
 BATCH = 2  # sequences per rank
 LAYOUTS = ("blocks", "list", "tied")
-
-
-def _config(tie: bool) -> LlamaConfig:
-    # 97 vocabulary rows are uneven over 2 ranks: rank 1's shard is padded.
-    return LlamaConfig(
-        vocab_size=97,
-        dim=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_hidden_dim=88,
-        max_seq_len=16,
-        tie_embeddings=tie,
-    )
+Run = list[dict[str, Any]]  # each rank's scenario records
 
 
 def _meta_sharded(shard: Any, mesh: DeviceMesh, layout: str) -> Llama:
     with torch.device("meta"):
-        model = Llama(_config(tie=layout == "tied"))
+        model = Llama(uneven_config(tie=layout == "tied"))
     if layout == "list":
         shard(list(model.layers), mesh=mesh)
     else:
@@ -74,7 +69,7 @@ def _checkpoint(model: Llama, full: dict[str, torch.Tensor], form: str) -> dict[
 
 def _load(shard: Any, mesh: DeviceMesh, layout: str, form: str) -> tuple[Llama, dict]:
     torch.manual_seed(0)
-    full = Llama(_config(tie=layout == "tied")).state_dict()
+    full = Llama(uneven_config(tie=layout == "tied")).state_dict()
     model = _meta_sharded(shard, mesh, layout)
     before = dict(model.named_parameters())
     model.load_state_dict(_checkpoint(model, full, form), strict=False, assign=True)
@@ -96,40 +91,37 @@ def _load(shard: Any, mesh: DeviceMesh, layout: str, form: str) -> tuple[Llama, 
     return model, record
 
 
-def _train(model: Llama, rank: int) -> list[float]:
-    optimizer = make_optimizer(model.parameters())
-    losses = []
+def _train_side_by_side(ours: Llama, theirs: Llama, rank: int) -> list[dict[str, Any]]:
+    """``STEPS`` AdamW steps of both models on this rank's slice of the same global
+    batches: per step, both losses, local grads and local shards (`step_against_torch`)."""
+    optimizers = (make_optimizer(ours.parameters()), make_optimizer(theirs.parameters()))
+    records = []
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(300 + step)
         tokens = torch.randint(0, 97, (WORLD_SIZE * BATCH, 9), generator=gen)
         tokens = tokens.chunk(WORLD_SIZE)[rank]  # (BATCH, 9)
-        loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+        losses = [cross_entropy_loss(m(tokens[:, :-1]), tokens[:, 1:]) for m in (ours, theirs)]
+        records.append(step_against_torch(ours, theirs, optimizers, losses))
+    return records
 
 
 def _scenario(rank: int, mesh: DeviceMesh, layout: str, form: str) -> dict[str, Any]:
     theirs, their_record = _load(torch_fully_shard, mesh, layout, "dtensor")
     ours, our_record = _load(fully_shard, mesh, layout, form)
-    record: dict[str, Any] = {
+    return {
         "ours": our_record,
         "theirs": their_record,
         "placements": (placements(ours), placements(theirs)),
         "loaded_local": local_pairs(ours, theirs, grads=False),
+        "steps": _train_side_by_side(ours, theirs, rank),
     }
-    record["losses"] = (_train(ours, rank), _train(theirs, rank))
-    record["trained_local"] = local_pairs(ours, theirs, grads=False)
-    return record
 
 
 def _torch_on_full_tensors(mesh: DeviceMesh) -> str | None:
     """What torch's fully_shard does with plain full tensors under assign=True: the
     name of what it raises, or None if it loads them."""
     torch.manual_seed(0)
-    full = Llama(_config(tie=False)).state_dict()
+    full = Llama(uneven_config(tie=False)).state_dict()
     model = _meta_sharded(torch_fully_shard, mesh, "blocks")
     try:
         model.load_state_dict(_checkpoint(model, full, "full"), strict=False, assign=True)
@@ -150,13 +142,13 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, Any]]:
+def run() -> Run:
     return run_distributed(_run, WORLD_SIZE, timeout=300)
 
 
 @pytest.mark.parametrize("form", ["dtensor", "full"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_assign_load_into_meta_model_trains_as_torch(run, layout, form):
+def test_assign_load_into_meta_model_trains_as_torch(run: Run, layout: str, form: str) -> None:
     for rank, rec in enumerate(scenario_records(run, f"{layout}-{form}")):
         ours, theirs = rec["ours"], rec["theirs"]
         assert theirs["on_meta"] == [] and theirs["not_loaded"] == []  # torch's route works
@@ -171,13 +163,16 @@ def test_assign_load_into_meta_model_trains_as_torch(run, layout, form):
         mine, torchs = rec["placements"]
         assert mine == {name: torchs[name] for name in mine}
         assert_pairs_equal(rec["loaded_local"], f"rank {rank} loaded shard")
-        our_losses, their_losses = rec["losses"]
-        assert our_losses == their_losses, f"rank {rank}"
-        assert_pairs_equal(rec["trained_local"], f"rank {rank} trained shard")
+        for step, record in enumerate(rec["steps"]):
+            our_loss, their_loss = record["loss"]
+            assert our_loss == their_loss, f"rank {rank} step {step}"
+            assert_pairs_equal(record["grads"], f"rank {rank} step {step} grad")
+            assert_pairs_equal(record["params"], f"rank {rank} step {step} shard")
 
 
-def test_torch_fully_shard_on_plain_full_tensors(run):
-    # What ours improves on (README, differences): torch's post-load hook fails on a
-    # plain tensor. If a torch release loads them, the scenarios above hold it to ours.
+def test_torch_fully_shard_on_plain_full_tensors(run: Run) -> None:
+    # What ours improves on (README, differences): torch's post-load hook reads
+    # ``_local_tensor`` of a plain tensor. A torch release that loads them (None) makes
+    # that README row wrong: update it, and compare ours with torch's on plain tensors.
     for outcome in scenario_records(run, "torch_full"):
-        assert outcome in (None, "AttributeError")
+        assert outcome == "AttributeError", outcome
