@@ -354,11 +354,11 @@ def test_a_param_first_used_in_the_last_micro_batch_reduces_under_mixed_precisio
 
 def test_two_forwards_then_two_backwards_reduce_each_group_once_per_backward(run):
     """A group of two modules all-gathered in backward is reduced once per backward, as
-    torch's (ours reduced it a third time: the first backward's end dropped the second
-    forward's pending post-backward nodes, so each of its two modules' nodes ran a
-    post-backward). Grads bitwise torch's. torch re-gathers the group between its two
-    modules' backwards in the second backward; ours keeps it unsharded until the
-    group's post-backward: one all-gather fewer, never more."""
+    torch's (its post-backward node sits on its first module's inputs only, not one
+    per module). Grads bitwise torch's. In the first backward torch all-gathers the
+    group once more after reducing it (the block before it prefetches it again, at the
+    position it had in the first forward); ours does not: one all-gather fewer, never
+    more."""
     for rank, records in enumerate(scenario_records(run, "two_backwards")):
         for step, rec in enumerate(records["steps"]):
             ours, theirs = rec["ours"], rec["torch"]
