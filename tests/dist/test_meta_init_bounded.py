@@ -25,7 +25,8 @@ from torch.profiler import ProfilerActivity, profile
 from dtensor_fsdp import fully_shard, init_unsharded
 from dtensor_fsdp.models.llama import Llama
 from tests._harness import run_distributed, run_scenarios, scenario_records
-from tests.dist.test_meta_init import _config, _meta_llama, _stats
+from tests.dist._tiny_llama import uneven_config
+from tests.dist.test_meta_init import _meta_llama, _stats
 
 WORLD_SIZE = 2
 INIT_SEED = 1
@@ -75,7 +76,7 @@ def _second_pass(model: Llama) -> None:
 
 def _llama_second_pass(mesh: Any, budget: int | None) -> dict[str, Any]:
     torch.manual_seed(0)
-    eager = Llama(_config(tie=False))
+    eager = Llama(uneven_config(tie=False))
     torch.manual_seed(INIT_SEED)
     _second_pass(eager)
     model = _meta_llama(mesh)
