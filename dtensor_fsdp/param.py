@@ -513,8 +513,8 @@ class FSDPParam:
     def _as_unsharded(self, data: torch.Tensor) -> torch.Tensor:
         """``data`` (of ``shape``) as the unsharded param's tensor: itself, or for a
         DTensor param (TP) the original DTensor again, so TP's module hooks and DTensor
-        ops run on it unchanged; wrapping ``data`` itself, on its device (the host for
-        ``init_unsharded`` under CPU offload: see `_sharded_dtensor`)."""
+        ops run on it unchanged; wrapping ``data`` itself on whatever device it is
+        (``DTensor.from_local`` would move it to the mesh's: see `_sharded_dtensor`)."""
         if self.layout.unsharded_mesh is None:
             return data
         return wrap_local(
