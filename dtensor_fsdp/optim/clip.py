@@ -281,12 +281,21 @@ def _combine_terms(terms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 def _all_reduce(term: torch.Tensor, mesh: DeviceMesh, axes: set[int], norm_type: float) -> None:
     """Reduce ``term`` in place over the mesh axes ``axes``: one all-reduce (see
-    `_reduce_groups` for the fallback)."""
+    `_reduce_groups` for the fallback). A group without a backend for ``term``'s
+    device reduces a copy on the device it serves first: under CPU offload the grads,
+    hence ``term``, are on the host, which an NCCL-only group cannot reduce (torch's
+    clip over DTensors raises there; torch's DCP picks the device the same way)."""
     op = {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}.get(
         norm_type, dist.ReduceOp.SUM
     )
     for group in _reduce_groups(mesh, axes):
-        dist.all_reduce(term, op=op, group=group)
+        served = group._device_types
+        if term.device.type in {device.type for device in served}:
+            dist.all_reduce(term, op=op, group=group)
+            continue
+        wire = term.to(served[0])
+        dist.all_reduce(wire, op=op, group=group)
+        term.copy_(wire)
 
 
 def _reduce_groups(mesh: DeviceMesh, axes: set[int]) -> list[dist.ProcessGroup]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend
 
 from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..models.llama import PRESETS, Llama, LlamaConfig, cross_entropy_loss
@@ -54,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per rank")
     parser.add_argument(
         "--backend", choices=("nccl", "gloo"), default="nccl", help="the job's collectives"
+    )
+    parser.add_argument(
+        "--sdpa",
+        choices=("cpu", "math"),
+        default="cpu",
+        help="attention kernel to simulate: the CPU's flash kernel, or the math kernel "
+        "(saves the attention weights; CUDA runs it for fp32 with grouped-query attention)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     parser.add_argument("--whole", action="store_true", help="simulate every block (slow)")
@@ -94,6 +102,7 @@ def _plan_config(config: LlamaConfig, args: argparse.Namespace) -> Plan:
         "link_gbps": args.link_gbps,
         "tflops": args.tflops,
         "backend": args.backend,
+        "sdpa_backends": (SDPBackend.MATH,) if args.sdpa == "math" else None,
     }
     return plan(
         lambda: Llama(config),

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.nn.attention import sdpa_kernel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -51,7 +52,9 @@ def plan(model: nn.Module | Any, *, world_size: int, batch: Any, **settings: Any
             ``shard_largest_module_list``: each child of the largest ``ModuleList``,
             then the root), ``mp_policy``, ``offload_policy``, ``optimizer``
             (``"sgd"``, ``"sgd_momentum"``, ``"adam"``, ``"adamw"`` or a factory),
-            ``link_gbps``, ``tflops``.
+            ``link_gbps``, ``tflops``, ``backend``, ``sdpa_backends`` (the attention
+            kernels to simulate: on CUDA fp32 with grouped-query attention runs the
+            math kernel, ``(SDPBackend.MATH,)``).
 
     Returns:
         A ``Plan`` (see ``report.py`` for its time model).
@@ -178,7 +181,12 @@ def _run_steps(model: FSDPModule, settings: PlanSettings) -> _StepRecords:
     if settings.backend == "gloo":
         for group in (g for s in model._fsdp_states(recurse=True) for g in s.groups):
             group.reduction.reduce_scatter_as_all_to_all = True
-    with tracker:
+    kernels = (
+        sdpa_kernel(list(settings.sdpa_backends))
+        if settings.sdpa_backends is not None
+        else contextlib.nullcontext()
+    )
+    with tracker, kernels:
         model.to_empty(device="cpu")
         optimizer = settings.make_optimizer(model.parameters())
         batch = settings.batch() if callable(settings.batch) else settings.batch

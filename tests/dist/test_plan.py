@@ -17,6 +17,7 @@ root group is all frozen) are all-gathered but not reduce-scattered, by torch's
 without one it is MemTracker unchanged).
 """
 
+import contextlib
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dtensor_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, plan
 from dtensor_fsdp.models.llama import Llama, LlamaConfig, cross_entropy_loss
@@ -101,6 +103,9 @@ SCENARIOS: dict[str, tuple[int, dict[str, Any]]] = {
     "last_block_kept": (2, {"shard_fn": _keep_last_block}),
     "offload": (2, {"offload_policy": CPUOffloadPolicy(pin_memory=False)}),
     "hsdp_2x2": (4, {"replicate": 2}),
+    # The attention kernel CUDA runs for fp32 grouped-query attention (the real run
+    # under sdpa_kernel too): it saves the attention weights the CPU's kernel does not.
+    "math_sdpa": (2, {"sdpa_backends": (SDPBackend.MATH,)}),
     **{name: (2, {}) for name in MODELS},
 }
 
@@ -125,7 +130,9 @@ def _measure(name: str, shard: Callable[..., Any]) -> tuple[int, list]:
         offload_policy=settings.get("offload_policy", OffloadPolicy()),
     )
     tokens = torch.randint(0, CONFIG.vocab_size, BATCH)
-    with FrozenSafeMemTracker() as tracker:
+    kernels = settings.get("sdpa_backends")
+    attention = sdpa_kernel(list(kernels)) if kernels else contextlib.nullcontext()
+    with FrozenSafeMemTracker() as tracker, attention:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):
             tracker.reset_mod_stats()

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.nn.attention import SDPBackend
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from dtensor_fsdp import Plan, plan
@@ -152,6 +153,20 @@ def test_gloo_backend_plans_ours_all_to_all_reduce_scatter(adamw_plan: Plan) -> 
     assert on_gloo.peak_bytes > adamw_plan.peak_bytes
     with pytest.raises(ValueError, match="unknown backend 'mpi'"):
         replan(adamw_plan, backend="mpi")
+
+
+def test_math_attention_kernel_adds_the_attention_weights(adamw_plan: Plan) -> None:
+    # CUDA runs the math kernel for fp32 grouped-query attention; it saves each block's
+    # softmax weights (batch x heads x seq x seq) that the CPU's flash kernel does not,
+    # all alive at the backward's start (the peak). Collectives do not change.
+    math = replan(adamw_plan, sdpa_backends=(SDPBackend.MATH,))
+    batch, seq = 2, 32
+    weights = CONFIG.n_heads * batch * seq * seq * 4  # fp32 bytes per block
+    assert math.peak_bytes - adamw_plan.peak_bytes >= CONFIG.n_layers * weights
+    assert math.collectives == adamw_plan.collectives
+    assert math.peak_phase == "backward"
+    with pytest.raises(ValueError, match="sdpa_backends must be a non-empty tuple"):
+        replan(adamw_plan, sdpa_backends=("math",))
 
 
 def test_compose_equals_whole_simulation() -> None:
