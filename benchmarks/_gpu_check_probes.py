@@ -4,7 +4,7 @@
   buffers: no new ``cudaMalloc`` and the same allocated and reserved bytes from step 3
   on) and ``CommTrace``'s device timings (present on every collective, positive);
 - ``quant``: quantized communication (ours only: torch has none) against our exact
-  run, within the error bound of the wire format (``dtensor_fsdp/wire_format.py``);
+  run, within the error bound of the wire format (``dtensor_fsdp/comm_precision/wire_format.py``);
 - ``plan_peak``: ``plan()``'s predicted peak against the one measured (target 5%).
 """
 

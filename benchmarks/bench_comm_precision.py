@@ -110,8 +110,8 @@ import torch
 import torch.distributed as dist
 
 from dtensor_fsdp import CommPrecisionPolicy
+from dtensor_fsdp.comm_precision.wire_format import WireLayout
 from dtensor_fsdp.models.llama import PRESETS, Llama, LlamaConfig
-from dtensor_fsdp.wire_format import WireLayout
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train import C10dRecorder  # same directory

@@ -21,14 +21,14 @@ from .api import (
     OffloadPolicy,
     ReduceScatter,
 )
-from .consistency import CollectiveMismatchError, NonFiniteGradError
 from .fsdp_module import FSDPModule, UnshardHandle
 from .fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
-from .init import init_unsharded
+from .init.unsharded import init_unsharded
+from .io.state_dict import load_full_state_dict, save_full_state_dict
+from .observe.consistency import CollectiveMismatchError, NonFiniteGradError
+from .observe.trace import CommEvent, CommTrace, DeviceTiming, LifecycleEvent
 from .optim import Muon, clip_grad_norm_, get_total_norm, split_muon_params, step_on_local_shards
 from .plan import AutoPlan, Plan, auto_shard, plan
-from .state_dict import load_full_state_dict, save_full_state_dict
-from .trace import CommEvent, CommTrace, DeviceTiming, LifecycleEvent
 
 __all__ = [
     "AllGather",

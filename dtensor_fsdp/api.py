@@ -133,7 +133,7 @@ class CommPrecisionPolicy:
             low precision; ``None`` reduces exactly.
         block_size: elements per quantization block (a positive multiple of 4); the scales
             cost 4 bytes per block. Smaller blocks track magnitudes better
-            (``python -m dtensor_fsdp.quant_error`` prints the error per block size).
+            (``python tools/quant_error.py`` prints the error per block size).
         error_feedback: keep each rank's gradient quantization error and add it to the next
             step's gradient before quantizing (error compensation), so the error does not
             accumulate in the weights. Covers the shard-axis reduce-scatter (not HSDP's

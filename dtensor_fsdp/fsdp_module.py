@@ -15,11 +15,11 @@ from .api import (
     CommPrecisionPolicy,
     ReduceScatter,
 )
-from .error_feedback import attribute_tree
-from .param_group import FSDPParamGroup
-from .state import FSDPState, assign_fqns, max_in_flight_reduce_scatters, state_of
-from .state_dict import residual_states, validate_state_dict
-from .trace import CommTrace
+from .io.state_dict import residual_states, validate_state_dict
+from .observe.trace import CommTrace
+from .runtime.param_group import FSDPParamGroup
+from .runtime.reduction.error_feedback import attribute_tree
+from .runtime.state import FSDPState, assign_fqns, max_in_flight_reduce_scatters, state_of
 
 # Public module class #
 

@@ -19,13 +19,13 @@ from .api import (
     OffloadPolicy,
 )
 from .fsdp_module import FSDPModule
-from .mesh import (
+from .io.state_dict import register_state_dict_hooks
+from .runtime.mesh import (
     post_forward_mesh_info,
 )
-from .param_group import FSDPParamGroup
-from .state import STATE_ATTR, FSDPState
-from .state_dict import register_state_dict_hooks
-from .streams import streams_for
+from .runtime.param_group import FSDPParamGroup
+from .runtime.state import STATE_ATTR, FSDPState
+from .runtime.streams import streams_for
 from .validation import mark_replaced, plan_sharding
 
 

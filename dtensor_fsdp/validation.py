@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from .extension import has_all_gather_extension
-from .mesh import (
+from .runtime.extension import has_all_gather_extension
+from .runtime.mesh import (
     MeshInfo,
     default_mesh,
     mesh_info_for,
@@ -25,8 +25,8 @@ from .mesh import (
     spmd_mesh_info,
     validate_post_forward_size,
 )
-from .param import ParamSlot, ParamToShard, mp_dtypes
-from .state import state_of
+from .runtime.param import ParamSlot, ParamToShard, mp_dtypes
+from .runtime.state import state_of
 
 
 @dataclass(frozen=True)

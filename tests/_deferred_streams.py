@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from dtensor_fsdp.streams import CommStreams, StreamRole
+from dtensor_fsdp.runtime.streams import CommStreams, StreamRole
 
 
 @dataclass

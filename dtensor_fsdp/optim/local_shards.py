@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._tensor_utils import wrap_local
+from ..runtime.tensor_utils import wrap_local
 
 # torch.optim classes whose update of each element reads only that element of the
 # param, its grad and its state (plus hyper-parameters and scalar state). Exact types:

@@ -24,8 +24,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..api import CPUOffloadPolicy
 from ..fsdp_module import FSDPModule
-from ..param_group import FSDPParamGroup
-from ..trace import CommTrace
+from ..observe.trace import CommTrace
+from ..runtime.param_group import FSDPParamGroup
 from .recorders import C10dCounter, PeakTracker
 from .report import GroupPlan, Plan
 from .settings import PlanSettings

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from dtensor_fsdp import fully_shard
-from dtensor_fsdp.collectives import (
+from dtensor_fsdp.runtime.collectives import (
     ReductionPlan,
     all_reduce,
     copy_in_grads,

@@ -3,7 +3,7 @@
 dtensor_fsdp only (ZeRO++'s qwZ/qgZ): torch's ``fully_shard`` has no counterpart, so the
 references are torch's ``fully_shard`` on the same model, seed and data (exact
 communication), our ``fully_shard`` without a policy, and the wire formula of
-``dtensor_fsdp/wire_format.py`` written out again here.
+``dtensor_fsdp/comm_precision/wire_format.py`` written out again here.
 
 The model: Linear(20, 48) and Linear(48, 64) are blocks ``0`` and ``2``; the root keeps
 Linear(64, 9) (9 rows: uneven over 2 ranks, rank 1's shard carries a padding row). Padded
@@ -31,7 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from dtensor_fsdp import CommPrecisionPolicy, MixedPrecisionPolicy, fully_shard
-from dtensor_fsdp.wire_format import WireLayout, decode, encode
+from dtensor_fsdp.comm_precision.wire_format import WireLayout, decode, encode
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
 

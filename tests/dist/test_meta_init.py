@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from dtensor_fsdp import fully_shard, init_unsharded
-from dtensor_fsdp._lazy_init import LazyFullTensor
+from dtensor_fsdp.init.lazy_full_tensor import LazyFullTensor
 from dtensor_fsdp.models.llama import Llama, LlamaConfig, cross_entropy_loss
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests.dist._parity import (

@@ -1,4 +1,4 @@
-"""The stream layer (dtensor_fsdp/streams.py), driven by the real scheduling code on CPU.
+"""The stream layer (dtensor_fsdp/runtime/streams.py), driven by the real scheduling code on CPU.
 
 On the host every stream call is a no-op, so the suite as a whole checks that the CPU
 backend keeps every behaviour. These tests put instrumented backends in its place
@@ -45,11 +45,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-import dtensor_fsdp.param_group as param_group_module
+import dtensor_fsdp.runtime.param_group as param_group_module
 from dtensor_fsdp import CommTrace, CPUOffloadPolicy
-from dtensor_fsdp.collectives import AllGatherResult
-from dtensor_fsdp.reduction import GradientReduction
-from dtensor_fsdp.streams import CommStreams, DeviceStreams, StreamRole
+from dtensor_fsdp.runtime.collectives import AllGatherResult
+from dtensor_fsdp.runtime.reduction.gradient_reduction import GradientReduction
+from dtensor_fsdp.runtime.streams import CommStreams, DeviceStreams, StreamRole
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests.dist._mlp import mlp, shard_mlp
 from tests.dist._parity import local_pairs

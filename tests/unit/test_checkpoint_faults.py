@@ -21,7 +21,6 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from dtensor_fsdp._checkpoint_files import checksums, data_files, write_marker
 from dtensor_fsdp.checkpoint import (
     CheckpointError,
     checkpoint_path,
@@ -29,6 +28,7 @@ from dtensor_fsdp.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from dtensor_fsdp.io.checkpoint_files import checksums, data_files, write_marker
 
 # DCP warns that it saves and loads in a single process: that is the point here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -20,13 +20,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from dtensor_fsdp._checkpoint_files import checksums, data_files, write_marker
 from dtensor_fsdp.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
+from dtensor_fsdp.io.checkpoint_files import checksums, data_files, write_marker
 from tests.unit.test_checkpoint import _model
 
 # DCP warns that it saves and loads in a single process: that is the point here.

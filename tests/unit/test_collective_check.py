@@ -8,7 +8,7 @@ uninitialized memory, so a W=4 step runs with the checks on in one process.
 import torch
 
 from dtensor_fsdp import fully_shard
-from dtensor_fsdp.consistency import CollectiveSignature, _mismatch_message
+from dtensor_fsdp.observe.consistency import CollectiveSignature, _mismatch_message
 from tests._harness import fake_mesh
 from tests.dist._divergence_job import DIM, Net
 

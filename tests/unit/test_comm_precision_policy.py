@@ -187,7 +187,7 @@ def test_error_feedback_drops_the_error_of_a_non_finite_block() -> None:
     """A block with an inf decodes to non-finite values; its error must not be carried
     into later steps (it would poison the block for good), while the other blocks keep
     theirs. The residual is computed before the collective, so the fake group serves."""
-    from dtensor_fsdp.collectives import ReductionPlan, quantized_reduce_scatter
+    from dtensor_fsdp.runtime.collectives import ReductionPlan, quantized_reduce_scatter
 
     with fake_mesh(2) as mesh:
         grad = torch.randn(4, 8)  # 2 rows per rank: blocks of 4 elements, 4 per chunk

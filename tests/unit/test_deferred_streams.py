@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from dtensor_fsdp.streams import StreamRole
+from dtensor_fsdp.runtime.streams import StreamRole
 from tests._deferred_streams import DeferredStreams
 
 AG, AR = StreamRole.ALL_GATHER, StreamRole.ALL_REDUCE

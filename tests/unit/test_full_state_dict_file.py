@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from dtensor_fsdp import load_full_state_dict, save_full_state_dict
-from dtensor_fsdp._safetensors_file import check_written, plan_header
+from dtensor_fsdp.io.safetensors_file import check_written, plan_header
 
 FILE = "model.safetensors"  # torch's reader reads every *.safetensors of a directory
 

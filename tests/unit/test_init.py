@@ -10,7 +10,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from dtensor_fsdp import FSDPModule, fully_shard, init_unsharded
-from dtensor_fsdp._lazy_init import LazyFullTensor
+from dtensor_fsdp.init.lazy_full_tensor import LazyFullTensor
 from tests._harness import fake_mesh
 
 

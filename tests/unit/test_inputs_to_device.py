@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.utils import _to_kwargs
 
-from dtensor_fsdp.state import inputs_to_device
+from dtensor_fsdp.runtime.state import inputs_to_device
 
 META = torch.device("meta")
 Pair = namedtuple("Pair", ["a", "b"])

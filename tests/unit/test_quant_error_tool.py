@@ -1,19 +1,34 @@
-"""``python -m dtensor_fsdp.quant_error``: the block-size tool (one process, no group).
+"""``python tools/quant_error.py``: the block-size tool (one process, no group).
 
 Not a comparison with torch's fully_shard: the tool simulates our own wire format
 (CommPrecisionPolicy has no torch counterpart). Its sharded error is checked against
 ``wire_format.quantization_error`` on each shard separately, the codec's own reference.
 """
 
+import importlib.util
 import math
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dtensor_fsdp import quant_error
-from dtensor_fsdp.wire_format import quantization_error
+from dtensor_fsdp.comm_precision.wire_format import quantization_error
+
+
+def _load_tool():
+    """tools/quant_error.py, a script outside the package, imported by path."""
+    path = Path(__file__).resolve().parents[2] / "tools" / "quant_error.py"
+    spec = importlib.util.spec_from_file_location("quant_error", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["quant_error"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+quant_error = _load_tool()
 
 # A one-block, dim-64 Llama on 16 tokens: main() runs in well under a second.
 TINY = ["--dim", "64", "--n-layers", "1", "--seq-len", "16", "--batch-size", "1"]

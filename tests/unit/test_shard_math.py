@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dtensor_fsdp._tensor_utils import (
+from dtensor_fsdp.runtime.tensor_utils import (
     ShardGeometry,
     alloc_storage,
     chunk_rows,

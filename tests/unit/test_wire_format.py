@@ -2,7 +2,7 @@
 
 The codec is a pure function of its inputs with no torch counterpart, so the reference
 here is a literal, one-block-at-a-time encoder written from the format description in
-``dtensor_fsdp/wire_format.py``; bounds come from the formats' numerics.
+``dtensor_fsdp/comm_precision/wire_format.py``; bounds come from the formats' numerics.
 """
 
 import math
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from dtensor_fsdp.wire_format import (
+from dtensor_fsdp.comm_precision.wire_format import (
     WIRE_FORMATS,
     WireLayout,
     decode,

@@ -20,12 +20,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .api import CommPrecisionPolicy, CPUOffloadPolicy, ReduceScatter
-from .collectives import ReductionPlan
-from .consistency import CollectiveCheck
+from ...api import CommPrecisionPolicy, CPUOffloadPolicy, ReduceScatter
+from ...observe.consistency import CollectiveCheck
+from ...observe.trace import DeviceTiming
+from ..collectives import ReductionPlan
+from ..mesh import MeshInfo
+from ..param import FSDPParam
+from ..scheduler import CommContext
+from ..streams import CommStreams, StreamRole
 from .error_feedback import ErrorFeedback
-from .grad_landing import NO_OVERFLOW_RISK, land_sharded_grads, split_reduced
-from .grad_reduce_scatter import (
+from .landing import NO_OVERFLOW_RISK, land_sharded_grads, split_reduced
+from .reduce_scatter import (
     IssuedReduceScatter,
     collect_grads,
     finish_any_reduce_scatter,
@@ -34,17 +39,12 @@ from .grad_reduce_scatter import (
     issue_reduce_scatter,
     quantized_plan,
 )
-from .mesh import MeshInfo
-from .param import FSDPParam
-from .replica_reduction import (
+from .replica import (
     ReplicaAllReduce,
     finish_replica_all_reduce,
     issue_replica_all_reduce,
     take_replica_parts,
 )
-from .scheduler import CommContext
-from .streams import CommStreams, StreamRole
-from .trace import DeviceTiming
 
 
 class GradientReduction:

@@ -1,15 +1,15 @@
 """Pick a ``CommPrecisionPolicy`` block size: per-parameter quantization error of the
 weights and gradients of the main job's Llama, as FSDP would quantize them.
 
-    python -m dtensor_fsdp.quant_error                          # tiny Llama, W = 8
-    python -m dtensor_fsdp.quant_error --model small --world-size 64 --block-sizes 32,64,128,256
-    python -m dtensor_fsdp.quant_error --checkpoint ckpt/step_00000300   # train.py's DCP dir
-    python -m dtensor_fsdp.quant_error --checkpoint model.pt    # a torch.save'd state dict
+    python tools/quant_error.py                          # tiny Llama, W = 8
+    python tools/quant_error.py --model small --world-size 64 --block-sizes 32,64,128,256
+    python tools/quant_error.py --checkpoint ckpt/step_00000300   # train.py's DCP dir
+    python tools/quant_error.py --checkpoint model.pt    # a torch.save'd state dict
 
 One process, no process group. The model is built (``init_weights`` from ``--seed``, as
 ``train.py`` does) or loaded from ``--checkpoint``, then one forward and backward on a
 random token batch gives the gradients. Each parameter is then encoded and decoded with
-``dtensor_fsdp.wire_format`` as FSDP does over ``--world-size`` ranks:
+``dtensor_fsdp.comm_precision.wire_format`` as FSDP does over ``--world-size`` ranks:
 
 - weights (all-gather): the parameter is padded along dim 0 to ``W * ceil(d0 / W)``
   rows and cut into W shards; each rank's padded shard is one segment of its own row,
@@ -45,9 +45,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .api import CommPrecisionPolicy
-from .models.llama import PRESETS, Llama, cross_entropy_loss, swiglu_hidden_dim
-from .wire_format import WIRE_FORMATS, WireLayout, decode, encode
+from dtensor_fsdp.api import CommPrecisionPolicy
+from dtensor_fsdp.comm_precision.wire_format import WIRE_FORMATS, WireLayout, decode, encode
+from dtensor_fsdp.models.llama import PRESETS, Llama, cross_entropy_loss, swiglu_hidden_dim
 
 DEFAULT_BLOCK_SIZES = (64, 128, 256, 512)
 DEFAULT_FORMATS = ("int8", "fp8_e4m3", "bf16")
@@ -266,7 +266,7 @@ def parse_int_list(text: str) -> tuple[int, ...]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m dtensor_fsdp.quant_error", description=__doc__.split("\n\n")[0]
+        prog="python tools/quant_error.py", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--model", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--dim", type=int, help="override the preset (ffn width follows)")

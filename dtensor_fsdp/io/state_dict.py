@@ -40,15 +40,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
-from ._safetensors_file import (
-    check_written,
-    encode_header,
-    plan_header,
-    read_state_dict,
-    write_tensor,
-)
-from ._tensor_utils import wrap_local
-from .error_feedback import (
+from ..runtime.param import FSDPParam
+from ..runtime.param_group import FSDPParamGroup
+from ..runtime.reduction.error_feedback import (
     RESIDUALS_ATTR,
     is_residual_key,
     load_residual_state,
@@ -56,9 +50,15 @@ from .error_feedback import (
     residual_layout,
     residual_state,
 )
-from .param import FSDPParam
-from .param_group import FSDPParamGroup
-from .state import FSDPState, state_of
+from ..runtime.state import FSDPState, state_of
+from ..runtime.tensor_utils import wrap_local
+from .safetensors_file import (
+    check_written,
+    encode_header,
+    plan_header,
+    read_state_dict,
+    write_tensor,
+)
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's files are zip archives
 

@@ -37,11 +37,11 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from ._lazy_init import InitCache, LazyEntry, LazyFullTensor
-from .param import FSDPParam
-from .param_group import FSDPParamGroup
-from .param_init import register_for_init, register_full_for_init, write_back_from_init
-from .state import FSDPState, states_under
+from ..runtime.param import FSDPParam
+from ..runtime.param_group import FSDPParamGroup
+from ..runtime.state import FSDPState, states_under
+from .full_param import register_for_init, register_full_for_init, write_back_from_init
+from .lazy_full_tensor import InitCache, LazyEntry, LazyFullTensor
 
 
 @contextmanager

@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import torch
 
-from .api import CPUOffloadPolicy
-from .param import FSDPParam
-from .streams import CommStreams
+from ...api import CPUOffloadPolicy
+from ..param import FSDPParam
+from ..streams import CommStreams
 
 # Reduce dtypes whose range lets the collective sum before dividing.
 NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16)

@@ -37,8 +37,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .collectives import _all_gather_single
-from .mesh import backend_for
+from ..runtime.collectives import _all_gather_single
+from ..runtime.mesh import backend_for
 
 PHASES = ("forward", "backward", "explicit")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")

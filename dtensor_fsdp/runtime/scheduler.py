@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from .consistency import CollectiveCheck
+from ..observe.consistency import CollectiveCheck
 from .streams import CommStreams, StreamRole
 
 

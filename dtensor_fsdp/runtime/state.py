@@ -29,8 +29,8 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .api import MixedPrecisionPolicy
-from .consistency import CollectiveCheck
+from ..api import MixedPrecisionPolicy
+from ..observe.consistency import CollectiveCheck
 from .param import FSDPParam
 from .param_group import FSDPParamGroup, TrainingState, is_in_backward
 from .scheduler import CommContext

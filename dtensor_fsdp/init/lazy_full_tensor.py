@@ -41,8 +41,8 @@ from typing import Any, Self
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from .param import FSDPParam
-from .param_init import full_for_init, init_device, write_back_from_init
+from ..runtime.param import FSDPParam
+from .full_param import full_for_init, init_device, write_back_from_init
 
 
 class LazyEntry:

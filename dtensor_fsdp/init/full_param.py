@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .collectives import _all_gather_single
-from .param import FSDPParam
+from ..runtime.collectives import _all_gather_single
+from ..runtime.param import FSDPParam
 
 
 def init_device(fsdp_param: FSDPParam) -> torch.device:

@@ -1,4 +1,4 @@
-"""The files of one checkpoint directory, for ``dtensor_fsdp.checkpoint``: the
+"""The files of one checkpoint directory, for ``dtensor_fsdp.io.checkpoint``: the
 ``COMPLETE`` marker, checksums, ``extra.pt``, and DCP's reader and planner restricted
 so that loading runs no code and follows no link.
 

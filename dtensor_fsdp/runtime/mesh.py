@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .api import DataParallelMeshDims
+from ..api import DataParallelMeshDims
 
 
 @dataclass(frozen=True)

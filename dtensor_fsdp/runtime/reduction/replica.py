@@ -12,14 +12,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .api import CommPrecisionPolicy
-from .collectives import (
+from ...api import CommPrecisionPolicy
+from ..collectives import (
     QuantizedAllReduceResult,
     all_reduce,
     finish_quantized_all_reduce,
     quantized_all_reduce,
 )
-from .param import FSDPParam
+from ..param import FSDPParam
 
 
 @dataclasses.dataclass(frozen=True)

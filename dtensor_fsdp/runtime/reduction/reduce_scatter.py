@@ -10,8 +10,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .api import CommPrecisionPolicy
-from .collectives import (
+from ...api import CommPrecisionPolicy
+from ..collectives import (
     QuantizedReduceScatterResult,
     ReduceScatterResult,
     ReductionPlan,
@@ -21,8 +21,8 @@ from .collectives import (
     quantized_reduce_scatter,
     reduce_scatter,
 )
-from .grad_landing import NO_OVERFLOW_RISK
-from .param import FSDPParam
+from ..param import FSDPParam
+from .landing import NO_OVERFLOW_RISK
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,16 +42,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ._tensor_utils import (
+from ..api import MixedPrecisionPolicy
+from .extension import AllGatherExtension, has_all_gather_extension
+from .mesh import MeshInfo, SpmdLayout
+from .tensor_utils import (
     ShardGeometry,
     alloc_storage,
     contiguous_stride,
     free_storage,
     wrap_local,
 )
-from .api import MixedPrecisionPolicy
-from .extension import AllGatherExtension, has_all_gather_extension
-from .mesh import MeshInfo, SpmdLayout
 
 
 class ShardedState(Enum):

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._tensor_utils import alloc_storage, contiguous_stride, free_storage
-from .api import MixedPrecisionPolicy
+from ..api import MixedPrecisionPolicy
+from .tensor_utils import alloc_storage, contiguous_stride, free_storage
 
 
 def has_all_gather_extension(local: torch.Tensor) -> bool:

@@ -28,14 +28,15 @@ from enum import Enum, auto
 import torch
 import torch.nn as nn
 
-from ._tensor_utils import ShardGeometry
-from .api import (
+from ..api import (
     AllGather,
     CommPrecisionPolicy,
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
+from ..comm_precision.wire_format import WireLayout, decode
+from ..observe.trace import CommEvent, CommTrace, DeviceTiming, LifecycleEvent
 from .collectives import (
     AllGatherResult,
     all_gather,
@@ -51,11 +52,10 @@ from .param_reset import (
     reset_buffer_nbytes,
     reset_sharded_param,
 )
-from .reduction import GradientReduction
+from .reduction.gradient_reduction import GradientReduction
 from .scheduler import CommContext
 from .streams import CommStreams, StreamRole
-from .trace import CommEvent, CommTrace, DeviceTiming, LifecycleEvent
-from .wire_format import WireLayout, decode
+from .tensor_utils import ShardGeometry
 
 
 @dataclass(frozen=True)

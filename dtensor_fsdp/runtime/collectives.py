@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._tensor_utils import chunk_rows, free_storage
-from .api import AllGather, ReduceScatter
+from ..api import AllGather, ReduceScatter
+from ..comm_precision.wire_format import WireLayout, decode, decode_sum, encode
 from .mesh import backend_for
-from .wire_format import WireLayout, decode, decode_sum, encode
+from .tensor_utils import chunk_rows, free_storage
 
 # torch 2.13 renamed the single-tensor collectives and deprecated the old names; 2.11
 # has only the old ones. Same signature either way.

@@ -1,0 +1,1 @@
+"""Quantized communication: the wire formats of ``CommPrecisionPolicy``."""

@@ -1,0 +1,1 @@
+"""State I/O: state dicts (sharded and full), checkpoints and their file formats."""

@@ -1,0 +1,610 @@
+"""Distributed checkpoints of a training run, written with torch.distributed.checkpoint.
+
+A checkpoint is one directory per step, holding DCP's files (every rank writes its own
+shards; DCP reshards them on load, so a run saved on N ranks resumes on M ranks or on
+another mesh layout), the trainer's ``extra`` state and a ``COMPLETE`` marker::
+
+    directory/
+      step_00000020/          complete: the marker is the last thing written
+        .metadata  __0_0.distcp  __1_0.distcp  extra.pt  COMPLETE
+      step_00000030.tmp/      being written, or interrupted: never loaded
+
+The files themselves (marker, checksums, restricted reading) are in
+``_checkpoint_files.py``; this module says which rank does what, and when.
+
+[Note: checkpoint completion] A checkpoint is complete iff its directory has the final
+name (no ``.tmp``) and holds a ``COMPLETE`` marker whose recorded file sizes match the
+files on disk. ``save_checkpoint`` writes everything into ``step_N.tmp/``, the ranks
+agree that every rank's part is on disk, then rank 0 writes the marker (itself via a
+rename, so it is never half-written) and renames the directory with ``os.replace``. A
+crash at any point leaves either a ``.tmp`` directory or a complete checkpoint; a final
+directory without a valid marker (copied by hand, truncated later) is skipped too.
+``latest_checkpoint``, ``load_checkpoint`` and pruning apply this one test
+(``read_marker``).
+
+[Note: checkpoint checksums] The marker (format version 2) also records each file's
+CRC32, which catches what sizes cannot: a file overwritten in place, a flipped bit.
+CRC32 (``zlib.crc32``, about 1 GB/s on one core) detects every error burst up to 32
+bits; it guards against corruption, not against an attacker, who can rewrite the
+marker too (see [Note: loading runs no code]). On save every rank checksums a stripe of
+the files (``names[rank::world_size]``) and rank 0 records them all; on load, and in
+``latest_checkpoint`` under a process group, every rank verifies its stripe and the
+ranks agree, so each file is read once per verification, not once per rank. Without a
+process group ``latest_checkpoint`` verifies whole checkpoints. Markers without a
+version (written before checksums existed) are loaded on sizes alone, with a warning.
+
+[Note: agreeing on failure] Every step of a save or load that ranks carry out on their
+own (rank 0 preparing the staging directory, writing ``extra.pt``, the marker, the
+rename; every rank reading the marker, verifying its stripe, reading ``extra.pt``,
+copying into the model) ends in ``_agree``: one ``all_gather_object`` of each rank's
+outcome. If any rank failed, every rank raises the same ``CheckpointError``, naming the
+step, the failing ranks and the first failure (type and message), chained to the
+original exception on the rank that raised it. DCP's own collectives (``dcp.save``,
+``dcp.load``) already gather every rank's failure; theirs become the same kind of
+``CheckpointError`` (``_dcp``). So no rank is left waiting in a collective for a rank
+that raised: the failure reaches every rank as soon as the failing step ends (3 to
+50 ms from the call on 2 gloo ranks; tests/dist/test_checkpoint_agreement.py). A rank
+that *dies* (killed, out of memory) is not caught here: the others wait in their next
+collective until the process group's timeout, or until the launcher stops them.
+
+[Note: no symlinks] Nothing inside the checkpoint directory is followed through a
+symbolic link: a link may point anywhere, and a save would delete or overwrite what it
+points to, a load read it. ``save_checkpoint`` refuses a ``step_N.tmp`` or ``step_N``
+that is a link, before anything is written and again at the rename, and creates its
+files with ``O_EXCL | O_NOFOLLOW``. ``load_checkpoint`` refuses a ``step_N`` that is a
+link, requires every file the marker names to be a regular file (``lstat``), opens every
+file with ``O_NOFOLLOW`` (DCP's reads too) and reads only files the marker names.
+``latest_checkpoint`` skips linked step directories with a warning, and pruning never
+deletes through a link. The parent directory itself may be a link (a mount chosen by
+the user).
+
+[Note: atomic checkpoint load] ``load_checkpoint`` changes the model and optimizer only
+after everything was read and verified: the marker, every checksum, ``extra.pt``, and
+every tensor and record, which ``dcp.load`` reads into a staging copy of the state dict
+(fresh tensors of the same shapes, dtypes and placements). Only then is the staging
+copy loaded into the model and optimizer (``set_state_dict``; ``load_state_dict`` is
+atomic, see [Note: atomic load] in ``state_dict.py``). The cost is memory: this rank's
+shards of the model and optimizer state once more during the load (for AdamW in fp32,
+3 x 4 bytes per parameter / world size; see ``load_checkpoint``). A fresh optimizer's
+state, which DCP needs to exist and ``get_state_dict`` creates, is removed again if
+the load fails.
+
+Resuming on another world size: ``extra`` (step, data position, anything global) is
+saved once and comes back unchanged, so a global data position carries over. Per-rank
+entries (``rank_extra``: e.g. each rank's generator state) are saved keyed by global
+rank and come back only when the world size is the one they were saved with;
+otherwise ``LoadedCheckpoint.rank_extra`` is ``None`` and the trainer re-derives them
+from its seed and the step, exactly as a fresh run of that world size would.
+
+The directory must be on a file system that every rank sees (as DCP's
+``FileSystemWriter`` requires).
+
+[Note: loading runs no code] A checkpoint's files are data, never code: whoever can
+write to the checkpoint directory must not be able to run code in every rank that loads
+it. Plain DCP unpickles ``.metadata`` with ``pickle`` and its non-tensor records with
+``torch.load(weights_only=False)``, so a crafted file runs anything. Here ``.metadata``
+goes through ``_MetadataUnpickler`` (only the classes DCP's ``Metadata`` is made of),
+non-tensor records and ``extra.pt`` through ``torch.load(weights_only=True)``, and DCP
+already reads tensor records with ``weights_only=True``. A refused file raises
+``CheckpointError`` naming it; ``save_checkpoint`` refuses ``extra`` or ``rank_extra``
+that would not load this way, before writing anything. The ``COMPLETE`` marker is no
+defence here: it is plain JSON that anyone able to replace a file can rewrite too.
+"""
+
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from ..runtime.reduction.error_feedback import drop_unsaved_residuals
+from .checkpoint_files import (
+    EXTRA_FILE,
+    MARKER,
+    TMP_SUFFIX,
+    CheckpointError,
+    SafeLoadPlanner,
+    SafeReader,
+    check_plain_data,
+    checksums,
+    data_files,
+    load_extra,
+    read_marker,
+    refuse_symlink,
+    verify_checksums,
+    write_extra,
+    write_marker,
+)
+
+__all__ = [
+    "EXTRA_FILE",
+    "MARKER",
+    "CheckpointError",
+    "LoadedCheckpoint",
+    "checkpoint_path",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_T = TypeVar("_T")
+
+# One optimizer, or several over disjoint parameters (torch's get_state_dict/set_state_dict
+# take either).
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What ``load_checkpoint`` hands back besides the loaded model and optimizer."""
+
+    step: int
+    """The step passed to ``save_checkpoint``."""
+    world_size: int
+    """The world size the checkpoint was saved with."""
+    extra: dict[str, Any]
+    """The ``extra`` dict passed to ``save_checkpoint`` (rank 0's)."""
+    rank_extra: dict[str, Any] | None
+    """This global rank's ``rank_extra``, or ``None`` if it was not saved or the world
+    size changed (re-derive per-rank state from the seed and ``step`` then)."""
+
+
+def checkpoint_path(directory: str, step: int) -> str:
+    """The final (complete) directory of ``step``'s checkpoint under ``directory``."""
+    return os.path.join(directory, f"step_{step:08d}")
+
+
+# ---------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    directory: str,
+    step: int,
+    model: nn.Module,
+    optimizer: Optimizers | None,
+    extra: dict[str, Any],
+    *,
+    rank_extra: dict[str, Any] | None = None,
+    keep_last: int = 2,
+) -> str:
+    """Save ``model``, ``optimizer`` and ``extra`` as ``directory/step_{step:08d}``.
+
+    Every rank must call it. The model and optimizer state dicts come from
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` (sharded DTensors under
+    the original FQNs) and are written by ``dcp.save``, each rank its own shards. The
+    checkpoint becomes visible only once complete (see [Note: checkpoint completion]).
+    Afterwards the oldest complete checkpoints beyond ``keep_last`` are deleted; the one
+    just written never is. A failure on any rank raises on every rank (see [Note:
+    agreeing on failure]) and leaves the complete checkpoints as they were.
+
+    Args:
+        directory: parent directory, created if missing; shared by all ranks.
+        step: the training step (or any increasing int) this checkpoint follows.
+        model: the (``fully_shard``-ed) model.
+        optimizer: its optimizer, or a list of them (e.g. Muon and AdamW, each over its
+            own parameters: one optimizer state dict keyed by FQN holds both), or
+            ``None`` to save the model only.
+        extra: global trainer state (step, data position, RNG states, ...), picklable by
+            ``torch.save`` and loadable with ``weights_only=True`` (tensors, numbers,
+            strings, lists, dicts). Rank 0's copy is saved.
+        rank_extra: this rank's own state (e.g. its generator state), saved keyed by
+            global rank; plain data as ``extra``.
+        keep_last: how many complete checkpoints to keep, at least 1.
+
+    Returns:
+        The path of the complete checkpoint.
+
+    Raises:
+        ValueError: ``keep_last < 1`` or ``step < 0``.
+        CheckpointError: on every rank, if any rank failed a step: ``extra`` or
+            ``rank_extra`` is not plain data, ``step_N.tmp`` or ``step_N`` is a symbolic
+            link (see [Note: no symlinks]), the directory is not writable, DCP failed.
+    """
+    if keep_last < 1:
+        raise ValueError(
+            f"keep_last must be at least 1 (got {keep_last}): "
+            "the checkpoint just written is always kept"
+        )
+    if step < 0:
+        raise ValueError(f"step must be non-negative (got {step})")
+    final = checkpoint_path(directory, step)
+    staging = final + TMP_SUFFIX
+    rank, world_size = _rank(), _world_size()
+    is_writer = rank == 0
+
+    def check_extras() -> None:
+        if is_writer:
+            check_plain_data("save_checkpoint: extra", extra)
+        check_plain_data(f"save_checkpoint: rank {rank}'s rank_extra", rank_extra)
+
+    _agree("save_checkpoint: checking extra and rank_extra", check_extras)
+    all_rank_extra = _gather_to_rank0(rank_extra)
+    # Nobody writes into staging before rank 0 has emptied it.
+    prepare = _on(is_writer, _prepare_staging, staging, final)
+    _agree(f"save_checkpoint: preparing {staging}", prepare)
+    state = _agree("save_checkpoint: get_state_dict", lambda: _state_dict(model, optimizer))
+    _dcp(
+        f"save_checkpoint: writing {staging} (dcp.save)",
+        lambda: dcp.save(state, checkpoint_id=staging),
+    )
+    saved = {"extra": extra, "rank_extra": all_rank_extra}
+    _agree(f"save_checkpoint: writing {EXTRA_FILE}", _on(is_writer, write_extra, staging, saved))
+    # Every rank's files are on disk (dcp.save returns once all are; the agreement
+    # above orders extra.pt) before anyone lists and checksums them.
+    stripe = _agree(
+        "save_checkpoint: checksumming",
+        lambda: checksums(staging, data_files(staging)[rank::world_size]),
+    )
+    stripes = _gather_to_rank0(stripe)
+    crc32 = None if stripes is None else {n: c for s in stripes.values() for n, c in s.items()}
+    _agree(
+        f"save_checkpoint: committing {final}",
+        _on(is_writer, _commit, staging, final, step, world_size, crc32, keep_last),
+    )
+    return final
+
+
+def _state_dict(model: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _prepare_staging(staging: str, final: str) -> None:
+    # Refused now rather than after the whole state dict was written; _promote checks
+    # the final directory again.
+    refuse_symlink(staging)
+    refuse_symlink(final)
+    if os.path.lexists(staging):
+        # A leftover from an interrupted save of the same step would mix old and new
+        # files. rmtree deletes links inside it, never what they point to.
+        shutil.rmtree(staging)
+    os.makedirs(staging)
+
+
+def _commit(
+    staging: str,
+    final: str,
+    step: int,
+    world_size: int,
+    crc32: dict[str, int],
+    keep_last: int,
+) -> None:
+    write_marker(staging, step, world_size, crc32)
+    _promote(staging, final)
+    _prune(os.path.dirname(final), keep_last, keep=final)
+
+
+def _promote(staging: str, final: str) -> None:
+    """Rename ``staging`` to ``final``, the commit point of a save."""
+    refuse_symlink(final)
+    if os.path.lexists(final):
+        # Saving a step again (a run resumed from an older checkpoint): os.replace
+        # cannot rename onto a non-empty directory. The new copy is complete in staging.
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _fsync_dir(os.path.dirname(final))
+
+
+def _fsync_dir(path: str) -> None:
+    # Makes the rename itself durable; not every platform can open a directory.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(directory: str, keep_last: int, keep: str) -> None:
+    """Delete complete checkpoints older than the newest ``keep_last``, and stale
+    ``.tmp`` directories of earlier steps, never ``keep``, never through a link."""
+    complete = _complete_checkpoints(directory)
+    for _, path in complete[:-keep_last]:
+        if path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+    newest = complete[-1][0] if complete else None
+    for name in os.listdir(directory):
+        step = _staging_step(name)
+        path = os.path.join(directory, name)
+        is_stale = step is not None and newest is not None and step < newest
+        if is_stale and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _staging_step(name: str) -> int | None:
+    if not name.endswith(TMP_SUFFIX):
+        return None
+    match = _STEP_DIR.match(name[: -len(TMP_SUFFIX)])
+    return int(match.group(1)) if match else None
+
+
+# ---------------------------------------------------------------------------
+# Find and load
+# ---------------------------------------------------------------------------
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest complete and intact checkpoint under ``directory``, or ``None``.
+
+    ``.tmp`` directories are skipped silently (interrupted saves). Final directories
+    that are symbolic links, lack a valid ``COMPLETE`` marker, or whose files differ
+    from the marker's sizes or checksums, are skipped with a warning saying why.
+    Checkpoints are verified newest first until one passes, which reads every file of
+    that checkpoint once (see [Note: checkpoint checksums]).
+
+    Under a process group it is collective: every rank must call it, each verifies a
+    stripe of the files, and all return the same path (a checkpoint only some ranks
+    see is skipped). Without one it verifies whole checkpoints in this process.
+    """
+    listed = _all_gather([path for _, path in _complete_checkpoints(directory, warn=True)])
+    seen_by_all = set.intersection(*(set(paths) for paths in listed))
+    rank, world_size = _rank(), _world_size()
+    for path in reversed(listed[0]):
+        if path not in seen_by_all:
+            continue
+        try:
+            verify_checksums(path, read_marker(path), slice(rank, None, world_size))
+            problem = None
+        except Exception as exc:  # noqa: BLE001 - unreadable is as bad as corrupted: next
+            problem = str(exc) if isinstance(exc, CheckpointError) else _describe(exc)
+        problems = [p for p in _all_gather(problem) if p is not None]
+        if not problems:
+            return path
+        warnings.warn(f"skipping checkpoint: {problems[0]}", stacklevel=2)
+    return None
+
+
+def _complete_checkpoints(directory: str, *, warn: bool = False) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint under ``directory``, oldest first
+    (sizes checked, not checksums); ``warn``: say why a final directory is not."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        match = _STEP_DIR.match(name)
+        path = os.path.join(directory, name)
+        if match is None or not (os.path.islink(path) or os.path.isdir(path)):
+            continue
+        try:
+            read_marker(path)
+        except CheckpointError as exc:
+            if warn:
+                warnings.warn(f"skipping checkpoint: {exc}", stacklevel=3)
+            continue
+        found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizers | None) -> LoadedCheckpoint:
+    """Load a checkpoint written by ``save_checkpoint`` into ``model`` and ``optimizer``.
+
+    Every rank must call it. The model may be sharded differently from the one saved
+    (another world size, HSDP, FSDP + TP): ``dcp.load`` reads each rank's part of every
+    tensor from whichever files hold it. Nothing changes unless everything was read and
+    verified (see [Note: atomic checkpoint load]): marker, sizes, checksums,
+    ``extra.pt``, every record and tensor. Memory: the tensors are read into a staging
+    copy first, so this rank's shards of the model and optimizer state are held twice
+    until they are copied in (AdamW, fp32: 12 bytes per parameter / world size more).
+
+    Args:
+        path: a checkpoint directory, e.g. from ``latest_checkpoint``.
+        model: the model to load into, already ``fully_shard``-ed.
+        optimizer: its optimizer, or the list of them that was saved, or ``None`` to
+            load the model only.
+
+    Returns:
+        The step, saved world size, ``extra`` and this rank's ``rank_extra``.
+
+    Raises:
+        CheckpointError: on every rank, with the model and optimizer unchanged, if the
+            checkpoint is incomplete or corrupted (sizes or checksums differ from the
+            marker's), if ``path`` or a file in it is a symbolic link (see [Note: no
+            symlinks]), if a file holds more than plain data (see [Note: loading runs
+            no code]), or if DCP cannot read it into this model; the message names the
+            failing rank (see [Note: agreeing on failure]).
+    """
+    rank, world_size = _rank(), _world_size()
+    marker = _agree(f"load_checkpoint: reading the {MARKER} marker", lambda: read_marker(path))
+    _agree(
+        "load_checkpoint: verifying checksums",
+        lambda: verify_checksums(path, marker, slice(rank, None, world_size)),
+    )
+    saved = _agree(f"load_checkpoint: reading {EXTRA_FILE}", lambda: load_extra(path))
+    optimizers = _as_list(optimizer)
+    fresh = [o for o in optimizers if not o.state]
+    try:
+        reader = SafeReader(path, set(marker["files"]))
+        staged = _agree(
+            "load_checkpoint: staging", lambda: _staging_state_dict(model, optimizer, reader)
+        )
+        _dcp(
+            f"load_checkpoint: reading {path}",
+            lambda: dcp.load(staged, storage_reader=reader, planner=SafeLoadPlanner()),
+        )
+    except CheckpointError:
+        for fresh_optimizer in fresh:
+            # get_state_dict created it; see [Note: atomic checkpoint load]
+            fresh_optimizer.state.clear()
+        raise
+    _agree(
+        "load_checkpoint: loading into the model and optimizer",
+        lambda: _load_staged(model, optimizer, staged),
+    )
+    return LoadedCheckpoint(
+        step=marker["step"],
+        world_size=marker["world_size"],
+        extra=saved["extra"],
+        rank_extra=_own_rank_extra(saved["rank_extra"], marker["world_size"]),
+    )
+
+
+def _as_list(optimizer: Optimizers | None) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+
+
+def _staging_state_dict(
+    model: nn.Module, optimizer: Optimizers | None, reader: SafeReader
+) -> dict[str, Any]:
+    """A state dict of the model and optimizer for ``dcp.load`` to read into, sharing no
+    tensor with them (see [Note: atomic checkpoint load]), less the error-feedback
+    residuals the checkpoint does not hold at their size: those restart at zero instead
+    of failing the load (saved without error feedback, or at another data-parallel world
+    size; see [Note: error-feedback residuals in state dicts] in error_feedback.py)."""
+    staged = _staging_copy(_state_dict(model, optimizer))
+    saved = {
+        key: entry.size
+        for key, entry in reader.read_metadata().state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+    drop_unsaved_residuals(staged["model"], saved, prefix="model.")
+    return staged
+
+
+def _staging_copy(tree: Any) -> Any:
+    """``tree`` with fresh containers and every tensor replaced by an uninitialized one
+    of the same shape, dtype, device and (for a DTensor) mesh and placements."""
+    if isinstance(tree, torch.Tensor):
+        return torch.empty_like(tree)
+    if isinstance(tree, dict):
+        return {key: _staging_copy(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_staging_copy(value) for value in tree]
+    return tree  # numbers, strings, tuples: immutable, and DCP replaces them whole
+
+
+def _load_staged(model: nn.Module, optimizer: Optimizers | None, staged: dict[str, Any]) -> None:
+    if optimizer is None:
+        set_model_state_dict(model, staged["model"])
+    else:
+        set_state_dict(
+            model, optimizer, model_state_dict=staged["model"], optim_state_dict=staged["optim"]
+        )
+
+
+def _own_rank_extra(
+    all_rank_extra: dict[int, Any] | None, saved_world_size: int
+) -> dict[str, Any] | None:
+    # Rank r of a different world size is a different slice of the data: its saved
+    # state would be wrong, not merely stale, so none is returned.
+    if all_rank_extra is None or saved_world_size != _world_size():
+        return None
+    return all_rank_extra.get(_rank())
+
+
+# ---------------------------------------------------------------------------
+# Agreeing on failure (see [Note: agreeing on failure])
+# ---------------------------------------------------------------------------
+
+
+def _agree(step: str, fn: Callable[[], _T]) -> _T:
+    """Run ``fn``, this rank's part of ``step``, then learn whether every rank's part
+    succeeded: one ``all_gather_object`` of the outcomes.
+
+    Returns:
+        ``fn``'s result on this rank.
+
+    Raises:
+        CheckpointError: on every rank if ``fn`` raised on any: the same message on
+            every rank, chained to the original on the rank that raised it.
+    """
+    try:
+        result, error = fn(), None
+    except Exception as exc:  # noqa: BLE001 - any failure: every rank must hear of it
+        result, error = None, exc
+    outcomes = _all_gather(None if error is None else _describe(error))
+    failures = {rank: outcome for rank, outcome in enumerate(outcomes) if outcome is not None}
+    if failures:
+        raise _failed(step, failures) from error
+    return result  # type: ignore[return-value]
+
+
+def _dcp(step: str, fn: Callable[[], Any]) -> None:
+    """Run ``dcp.save`` or ``dcp.load``, which gather every rank's failure into a
+    ``CheckpointException`` (a ``BaseException``) raised on every rank, and raise it as
+    the same ``CheckpointError`` as ``_agree`` would."""
+    try:
+        fn()
+    except dcp.CheckpointException as exc:
+        # failures: {rank: (exception, traceback)} in torch 2.11-2.14.
+        failures = {
+            rank: _describe(failure[0] if isinstance(failure, tuple) else failure)
+            for rank, failure in sorted((getattr(exc, "failures", None) or {}).items())
+        }
+        raise _failed(step, failures or {_rank(): _describe(exc)}) from exc
+
+
+def _on(is_mine: bool, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """``fn(*args)`` as a step that only this rank does if ``is_mine`` (rank 0's work)."""
+    return (lambda: fn(*args)) if is_mine else (lambda: None)
+
+
+def _describe(error: BaseException) -> str:
+    # Our own errors already say what and where; others need their type.
+    if isinstance(error, CheckpointError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def _failed(step: str, failures: dict[int, str]) -> CheckpointError:
+    first, message = next(iter(failures.items()))
+    others = [rank for rank in failures if rank != first]
+    also = f" (and on ranks {others})" if others else ""
+    return CheckpointError(f"{step} failed on rank {first}{also}: {message}")
+
+
+# ---------------------------------------------------------------------------
+# Process group helpers (also usable in one process without a group)
+# ---------------------------------------------------------------------------
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _all_gather(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [value]
+    gathered: list[Any] = [None] * _world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _gather_to_rank0(value: Any) -> dict[int, Any] | None:
+    """Every rank's ``value`` keyed by global rank, on rank 0 (``None`` elsewhere or if
+    no rank gave one). Only for values known to pickle: a pickling error would raise on
+    one rank before the collective."""
+    if not dist.is_initialized():
+        return None if value is None else {0: value}
+    gathered: list[Any] | None = [None] * _world_size() if _rank() == 0 else None
+    dist.gather_object(value, gathered, dst=0)
+    if gathered is None or all(v is None for v in gathered):
+        return None
+    return {rank: v for rank, v in enumerate(gathered) if v is not None}
