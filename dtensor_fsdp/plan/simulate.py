@@ -22,10 +22,10 @@ from torch.nn.attention import sdpa_kernel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..api import CPUOffloadPolicy
+from ..api import CPUOffloadPolicy, FSDPGroupInfo
 from ..fsdp_module import FSDPModule
 from ..observe.trace import CommTrace
-from ..runtime.param_group import FSDPParamGroup
+from .all_to_all import AllToAllReduceScatter
 from .recorders import C10dCounter, PeakTracker
 from .report import GroupPlan, Plan
 from .settings import PlanSettings
@@ -130,11 +130,7 @@ def _simulate_on_fake_group(settings: PlanSettings, start: float) -> Plan:
                 "call fully_shard(model, ...) last, as the default shard_fn does"
             )
         step = _run_steps(model, settings)
-    groups = [
-        _group_plan(group, model, step, settings)
-        for state in model._fsdp_states(recurse=True)
-        for group in state.groups
-    ]
+    groups = [_group_plan(info, model, step, settings) for info in model.describe_groups()]
     breakdown = step.tracker.peak_breakdown()
     return Plan(
         model=model_name,
@@ -179,8 +175,7 @@ def _run_steps(model: FSDPModule, settings: PlanSettings) -> _StepRecords:
     counter = C10dCounter()
     tracker = PeakTracker(type(model).__name__)
     if settings.backend == "gloo":
-        for group in (g for s in model._fsdp_states(recurse=True) for g in s.groups):
-            group.reduction.reduce_scatter_as_all_to_all = True
+        _reduce_scatter_as_on_gloo(model)
     kernels = (
         sdpa_kernel(list(settings.sdpa_backends))
         if settings.sdpa_backends is not None
@@ -211,6 +206,22 @@ def _run_steps(model: FSDPModule, settings: PlanSettings) -> _StepRecords:
     return _StepRecords(tracker, counter, trace, forward, backward, sharded)
 
 
+def _reduce_scatter_as_on_gloo(model: FSDPModule) -> None:
+    """Every ``fully_shard`` call reduce-scatters by an all-to-all, as ours does on gloo."""
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = module.describe_groups(recurse=False)
+        if len(groups) > 1:
+            # One custom collective serves one process group (torch's check).
+            raise NotImplementedError(
+                f"plan(backend='gloo') cannot simulate gloo's reduce-scatter for the "
+                f"fully_shard call on {type(module).__name__}: its params are on several "
+                "meshes (shard_placement_fn); plan it with backend='nccl'"
+            )
+        module.set_custom_reduce_scatter(AllToAllReduceScatter())
+
+
 def _sharded_bytes(tracker: PeakTracker) -> dict[str, int]:
     """Parameter shards, gradient shards and optimizer states live after the optimizer
     step, by MemTracker's categories (nothing is unsharded then)."""
@@ -221,7 +232,7 @@ def _sharded_bytes(tracker: PeakTracker) -> dict[str, int]:
     }
 
 
-def _owned_flops(group: FSDPParamGroup, model: nn.Module, flops: dict[str, int]) -> int:
+def _owned_flops(group: FSDPGroupInfo, model: nn.Module, flops: dict[str, int]) -> int:
     """FLOPs of ``group``'s modules without those of other groups nested in them.
     ``flops`` is inclusive, keyed like FlopCounterMode ("Llama.layers.0")."""
     names = {module: name for name, module in model.named_modules()}
@@ -251,7 +262,7 @@ def _is_outermost(sub: nn.Module, top: nn.Module) -> bool:
 
 
 def _group_plan(
-    group: FSDPParamGroup, model: nn.Module, step: _StepRecords, settings: PlanSettings
+    group: FSDPGroupInfo, model: nn.Module, step: _StepRecords, settings: PlanSettings
 ) -> GroupPlan:
     collectives: dict[str, dict[str, int]] = {}
     comm_s: dict[str, float] = {}
@@ -265,10 +276,9 @@ def _group_plan(
         comm_s[event.phase] = comm_s.get(event.phase, 0.0) + seconds
     return GroupPlan(
         fqn=group.fqn,
-        params=sum(p.sharded_param.numel() for p in group.fsdp_params),
-        unsharded_bytes=group.mesh_info.shard_size
-        * sum(p.all_gather_nbytes for p in group.fsdp_params),
-        reshard_after_forward=group.reshard_after_forward,
+        params=group.numel,
+        unsharded_bytes=group.unsharded_nbytes,
+        reshard_after_forward=bool(group.reshard_after_forward),
         collectives=collectives,
         comm_s=comm_s,
         forward_flops=_owned_flops(group, model, step.forward_flops),
