@@ -5,8 +5,8 @@ installs this reduce-scatter through the public ``FSDPModule.set_custom_reduce_s
 the same collective and, on the simulated memory, the same buffers alive at the same
 moments as ours on gloo (``collectives.reduce_scatter`` and ``finish_reduce_scatter``):
 
-1. the issue: the input and a receive buffer as large as it (the output holds no
-   storage yet);
+1. the issue: the input and a receive buffer as large as it (the output, allocated
+   before, gives its storage back first);
 2. the wait: the input's storage is freed (nothing reads it after the collective), then
    the output gets its storage and the sum of the W received chunks;
 3. the receive buffer lives as long as FSDP holds the collective's ``Work``, as ours
@@ -20,17 +20,13 @@ from ..api import ReduceOp, ReduceScatter
 
 
 class AllToAllReduceScatter(ReduceScatter):
-    """A sum reduce-scatter by ``all_to_all_single`` and a local sum, whose buffers are
-    alive when those of ours on gloo are (see the module docstring)."""
+    """A sum (or average) reduce-scatter by ``all_to_all_single`` and a local sum, whose
+    buffers are alive when those of ours on gloo are (see the module docstring)."""
 
     def allocate(
         self, size: list[int], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        # The sum's output: no storage until the wait, as ours allocates it only after
-        # freeing the input.
-        output = torch.empty(size, dtype=dtype, device=device)
-        output.untyped_storage().resize_(0)
-        return output
+        return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(
         self,
@@ -40,11 +36,16 @@ class AllToAllReduceScatter(ReduceScatter):
         op: ReduceOp,
         async_op: bool = False,
     ) -> dist.Work | None:
-        if op != dist.ReduceOp.SUM:
-            raise NotImplementedError(f"AllToAllReduceScatter sums only, got {op}")
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise NotImplementedError(f"AllToAllReduceScatter sums or averages, got {op}")
+        # The sum's output gets its storage back at the wait: ours allocates it only
+        # after freeing the input (it holds nothing yet; free while the receive buffer
+        # is not allocated, so the peak is never both).
+        output_tensor.untyped_storage().resize_(0)
         received = torch.empty_like(input_tensor)  # (W * shard_numel,): chunk r from rank r
         work = dist.all_to_all_single(received, input_tensor, group=group, async_op=async_op)
-        summed = _SumOnWait(work, input_tensor, received, output_tensor)
+        average = op == dist.ReduceOp.AVG  # ours passes SUM; torch's FSDP2 AVG on gloo
+        summed = _SumOnWait(work, input_tensor, received, output_tensor, average)
         if async_op:
             return summed
         summed.wait()
@@ -61,12 +62,14 @@ class _SumOnWait(dist.Work):
         input_tensor: torch.Tensor,
         received: torch.Tensor,
         output: torch.Tensor,
+        average: bool,
     ) -> None:
         super().__init__()
         self._work = work
         self._input: torch.Tensor | None = input_tensor
         self._received = received  # kept: ours keeps its receive buffer this long
         self._output = output
+        self._average = average
 
     def wait(self, timeout: object = None) -> bool:
         if self._work is not None:
@@ -77,5 +80,8 @@ class _SumOnWait(dist.Work):
         self._input = None
         output = self._output
         output.untyped_storage().resize_(output.numel() * output.element_size())
-        torch.sum(self._received.view(-1, output.numel()), dim=0, out=output)
+        received = self._received.view(-1, output.numel())  # (W, shard_numel)
+        torch.sum(received, dim=0, out=output)
+        if self._average:
+            output.div_(received.shape[0])
         return True
