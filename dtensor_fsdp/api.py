@@ -106,6 +106,39 @@ class ReduceScatter(Comm):
     ) -> dist.Work | None: ...
 
 
+@dataclass(frozen=True)
+class FSDPGroupInfo:
+    """One parameter group of a ``fully_shard`` call, as ``FSDPModule.describe_groups``
+    reports it: the parameters that are all-gathered and reduce-scattered together (one
+    per call, or one per mesh when ``shard_placement_fn`` puts parameters on several).
+    Read-only: changing it changes nothing. dtensor_fsdp only: not in torch.
+
+    Attributes:
+        fqn: the group's name in ``CommTrace`` events and error messages: the path of
+            the call's first module from the root (``""`` for the root, and for every
+            group before the root's first forward or ``set_comm_trace``); a call on
+            several meshes adds the mesh axes (``"layers.0 [shard]"``).
+        modules: the modules passed to the ``fully_shard`` call.
+        numel: the group's parameters' elements, unsharded and unpadded (the sum of
+            their DTensors' ``numel()``).
+        unsharded_nbytes: the bytes its all-gather outputs on each rank, which the
+            unsharded parameters occupy: every rank's padded shard, in
+            ``MixedPrecisionPolicy.param_dtype`` (each parameter's dtype without one).
+        shard_size: the ranks its parameters are sharded over.
+        replicate_size: HSDP's replicas (1 without HSDP).
+        reshard_after_forward: as ``fully_shard`` took it, resolved: ``True``/``False``,
+            or the smaller world size the parameters reshard to after forward (an int).
+    """
+
+    fqn: str
+    modules: tuple[torch.nn.Module, ...]
+    numel: int
+    unsharded_nbytes: int
+    shard_size: int
+    replicate_size: int
+    reshard_after_forward: bool | int
+
+
 def _is_matrix(fqn: str, param: torch.nn.Parameter) -> bool:
     """The default `CommPrecisionPolicy.param_filter`: weight matrices (and embeddings)
     are quantized; norms, biases and other 1-D params stay exact: they are a sliver of the

@@ -13,6 +13,7 @@ import torch.nn as nn
 from .api import (
     AllGather,
     CommPrecisionPolicy,
+    FSDPGroupInfo,
     ReduceScatter,
 )
 from .io.state_dict import residual_states, validate_state_dict
@@ -251,6 +252,18 @@ class FSDPModule:
         assign_fqns((self,), states)  # type: ignore[arg-type]
         for group in self._groups(recurse=True):
             group.trace = trace
+
+    def describe_groups(self, recurse: bool = True) -> list[FSDPGroupInfo]:
+        """Describe the parameter groups of this module's ``fully_shard`` call, and with
+        ``recurse`` those of every call in its tree (each once, in ``modules()`` order):
+        their names in ``CommTrace`` events, modules, sizes and reshard setting. Reads
+        only: it issues nothing and works on meta and fake tensors too. dtensor_fsdp
+        only: not in torch.
+
+        Returns:
+            One ``FSDPGroupInfo`` per group.
+        """
+        return [_describe(group) for group in self._groups(recurse)]
 
     def set_divergence_check(
         self, enabled: bool = True, *, timeout: timedelta | float | None = None
@@ -538,6 +551,22 @@ class SetterError(ValueError, AssertionError):
 class SymmetricMemoryBackendError(ValueError, RuntimeError):
     """``set_symm_mem_for_comm`` with an unknown backend. A ValueError (a user mistake),
     and a RuntimeError: what torch's symmetric memory raises for it."""
+
+
+def _describe(group: FSDPParamGroup) -> FSDPGroupInfo:
+    post_forward = group.post_forward_mesh_info
+    return FSDPGroupInfo(
+        fqn=group.fqn,
+        modules=tuple(group.modules),
+        numel=sum(p.sharded_param.numel() for p in group.fsdp_params),  # DTensor: global
+        unsharded_nbytes=group.mesh_info.shard_size
+        * sum(p.all_gather_nbytes for p in group.fsdp_params),
+        shard_size=group.mesh_info.shard_size,
+        replicate_size=group.mesh_info.replicate_size,
+        reshard_after_forward=(
+            post_forward.shard_size if post_forward is not None else group.reshard_after_forward
+        ),
+    )
 
 
 def _state_for_prefetch(module: Any) -> FSDPState:

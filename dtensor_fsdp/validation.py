@@ -30,8 +30,9 @@ from .runtime.state import state_of
 
 
 @dataclass(frozen=True)
-class GroupPlan:
-    """The parameters of one call on one data-parallel mesh: one FSDPParamGroup."""
+class GroupSharding:
+    """How one call's parameters on one data-parallel mesh are sharded: what becomes
+    one FSDPParamGroup. (Not ``plan.GroupPlan``, the planner's report of a group.)"""
 
     mesh_info: MeshInfo
     params: list[ParamToShard]
@@ -44,7 +45,7 @@ class ShardingPlan:
 
     modules: tuple[nn.Module, ...]
     mesh_info: MeshInfo  # the mesh passed to fully_shard
-    groups: list[GroupPlan]  # see [Note: several groups of one call]
+    groups: list[GroupSharding]  # see [Note: several groups of one call]
     moved_buffers: list[tuple[nn.Module, str, torch.Tensor]]  # (owner, name, moved copy)
     param_device: torch.device  # where the sharded params go (meta stays meta)
     reshard_after_forward: bool
@@ -80,7 +81,7 @@ def plan_sharding(
         if hpz:
             _validate_no_extensions_for_hpz(modules, group_params, reshard_after_forward)
         groups.append(
-            GroupPlan(
+            GroupSharding(
                 group_mesh_info,
                 group_params,
                 post_forward_size=reshard_after_forward if hpz else None,  # type: ignore[arg-type]

@@ -36,15 +36,24 @@ import dataclasses
 import functools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from torch.nn.attention import SDPBackend
 
+from ..api import MixedPrecisionPolicy, OffloadPolicy
 from ..fully_shard import fully_shard
 from .candidates import AutoGroup, Choice, Predictor, calls_of, candidates, count, fastest
 from .report import MiB, Plan
-from .settings import PlanSettings, largest_module_list
+from .settings import (
+    LossFn,
+    OptimizerFactory,
+    PlanSettings,
+    default_loss,
+    largest_module_list,
+)
 from .simulate import simulate
 
 __all__ = ["AutoGroup", "AutoPlan", "apply_calls", "auto_shard"]
@@ -169,13 +178,21 @@ def _call_target(fqns: tuple[str, ...]) -> str:
 
 
 def auto_shard(
-    model: nn.Module | Any,
+    model: nn.Module | Callable[[], nn.Module],
     *,
     budget_bytes: int,
     world_size: int,
     batch: Any,
     overhead_us: float | None = None,
-    **settings: Any,
+    loss_fn: LossFn = default_loss,
+    replicate: int = 1,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    optimizer: str | OptimizerFactory = "adamw",
+    link_gbps: float = 400.0,
+    tflops: float = 400.0,
+    backend: str = "nccl",
+    sdpa_backends: tuple[SDPBackend, ...] | None = None,
 ) -> AutoPlan:
     """Choose the ``fully_shard`` calls for ``model`` that fit ``budget_bytes`` per rank
     with the shortest predicted step: blocks merged into list groups, groups kept
@@ -194,9 +211,9 @@ def auto_shard(
             assumption), 1000 for ``"gloo"`` (from measurements on a 2-core CPU). The link's
             bandwidth and the compute's throughput are ``plan()``'s ``link_gbps`` and
             ``tflops``.
-        **settings: ``plan()``'s other settings (``loss_fn``, ``mp_policy``,
-            ``offload_policy``, ``replicate``, ``optimizer``, ...) but ``shard_fn``,
-            which ``auto_shard`` chooses.
+        loss_fn, replicate, mp_policy, offload_policy, optimizer, link_gbps, tflops,
+            backend, sdpa_backends: as ``plan()``'s (whose ``shard_fn`` is what
+            ``auto_shard`` chooses).
 
     Returns:
         An ``AutoPlan``: ``apply(model, mesh=...)`` makes the calls; ``print()`` and
@@ -205,18 +222,25 @@ def auto_shard(
     Raises:
         ValueError: ``budget_bytes`` is not positive, or below the smallest peak a
             grouping reaches (the message names it); and ``plan()``'s errors.
-        TypeError: ``shard_fn`` was passed.
     """
-    if "shard_fn" in settings:
-        raise TypeError(
-            "auto_shard() chooses the fully_shard calls itself: drop shard_fn (to predict "
-            "your own calls, use plan(..., shard_fn=...))"
-        )
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
     if overhead_us is not None and overhead_us < 0:
         raise ValueError(f"overhead_us must not be negative, got {overhead_us}")
-    base_settings = PlanSettings(model, world_size, batch, **settings)
+    base_settings = PlanSettings(
+        model,
+        world_size,
+        batch,
+        loss_fn=loss_fn,
+        replicate=replicate,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        optimizer=optimizer,
+        link_gbps=link_gbps,
+        tflops=tflops,
+        backend=backend,
+        sdpa_backends=sdpa_backends,
+    )
     if overhead_us is None:
         overhead_us = _OVERHEAD_US[base_settings.backend]
     blocks = _block_fqns(base_settings)

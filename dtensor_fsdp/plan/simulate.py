@@ -10,70 +10,175 @@ a c10d-level count of every collective.
 
 import contextlib
 import dataclasses
+import enum
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.nn.attention import sdpa_kernel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..api import CPUOffloadPolicy
+from ..api import CPUOffloadPolicy, FSDPGroupInfo, MixedPrecisionPolicy, OffloadPolicy
 from ..fsdp_module import FSDPModule
 from ..observe.trace import CommTrace
-from ..runtime.param_group import FSDPParamGroup
+from .all_to_all import AllToAllReduceScatter
 from .recorders import C10dCounter, PeakTracker
 from .report import GroupPlan, Plan
-from .settings import PlanSettings
+from .settings import (
+    LossFn,
+    OptimizerFactory,
+    PlanSettings,
+    ShardFn,
+    default_loss,
+    shard_largest_module_list,
+)
 
 # Step 1 creates the optimizer states, which MemTracker over-counts under fake tensors;
 # from step 2 on its figures match real runs. The plan reports step 2.
 _STEPS = 2
 
 
-def plan(model: nn.Module | Any, *, world_size: int, batch: Any, **settings: Any) -> Plan:
+def plan(
+    model: nn.Module | Callable[[], nn.Module],
+    *,
+    world_size: int,
+    batch: Any,
+    loss_fn: LossFn = default_loss,
+    replicate: int = 1,
+    shard_fn: ShardFn = shard_largest_module_list,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    optimizer: str | OptimizerFactory = "adamw",
+    link_gbps: float = 400.0,
+    tflops: float = 400.0,
+    backend: str = "nccl",
+    sdpa_backends: tuple[SDPBackend, ...] | None = None,
+) -> Plan:
     """Simulate training steps of ``model`` sharded over ``world_size`` ranks, in this
     process and without allocating its memory, and predict one rank's memory,
-    collectives and compute.
+    collectives and compute. The arguments are ``PlanSettings``' fields.
 
     Args:
         model: an ``nn.Module`` (on ``meta`` or real; a ``meta`` copy is planned, the
             module is left as it is) or a factory returning one (called under
             ``torch.device("meta")``).
         world_size: ranks to simulate.
-        batch: one rank's example batch, or a factory of it.
-        **settings: the other fields of ``PlanSettings``: ``loss_fn(model, batch)``
-            (default ``model(batch).sum()``), ``replicate`` (HSDP replicas),
-            ``shard_fn(model, mesh=, mp_policy=, offload_policy=)`` (default
+        batch: one rank's example batch, or a factory of it (called under fake
+            tensors, so a large batch costs no memory).
+        loss_fn: ``loss_fn(model, batch)`` runs the forward and returns the scalar
+            loss; by default ``model(batch).sum()``.
+        replicate: HSDP's replicas (the mesh is ``(replicate, world_size //
+            replicate)``); 1 is FSDP.
+        shard_fn: ``shard_fn(model, mesh=, mp_policy=, offload_policy=)`` makes the
+            ``fully_shard`` calls, forwarding those keyword arguments; by default
             ``shard_largest_module_list``: each child of the largest ``ModuleList``,
-            then the root), ``mp_policy``, ``offload_policy``, ``optimizer``
-            (``"sgd"``, ``"sgd_momentum"``, ``"adam"``, ``"adamw"`` or a factory),
-            ``link_gbps``, ``tflops``, ``backend``, ``sdpa_backends`` (the attention
-            kernels to simulate: on CUDA fp32 with grouped-query attention runs the
-            math kernel, ``(SDPBackend.MATH,)``).
+            then the root.
+        mp_policy: ``fully_shard``'s mixed precision.
+        offload_policy: ``fully_shard``'s offload policy.
+        optimizer: ``"sgd"``, ``"sgd_momentum"``, ``"adam"``, ``"adamw"``, or a factory
+            ``params -> torch.optim.Optimizer``.
+        link_gbps: per-rank network bandwidth, Gbit/s, for the communication times.
+        tflops: achieved compute throughput per rank, TFLOP/s, for the compute times.
+        backend: the job's collectives: ``"nccl"`` or ``"gloo"`` (ours reduce-scatters
+            there by an all-to-all plus a local sum, whose receive buffer counts in
+            the peak).
+        sdpa_backends: the attention kernels to simulate (as ``sdpa_kernel`` takes
+            them); ``None``: the CPU's choice. On CUDA, fp32 grouped-query attention
+            runs the math kernel: plan it with ``(SDPBackend.MATH,)``.
 
     Returns:
         A ``Plan`` (see ``report.py`` for its time model).
 
     Raises:
         ValueError: bad settings (no batch, a ``replicate`` that does not divide
-            ``world_size``, an unknown optimizer).
+            ``world_size``, an unknown optimizer or backend).
         TypeError: ``model`` is not a module or factory; ``shard_fn`` left the root
             without ``fully_shard``.
+        NotImplementedError: ``backend="gloo"`` with a ``fully_shard`` call whose
+            params are on several meshes.
         RuntimeError: a default process group is already initialized.
     """
-    return simulate(PlanSettings(model, world_size, batch, **settings))
+    return simulate(
+        PlanSettings(
+            model,
+            world_size,
+            batch,
+            loss_fn=loss_fn,
+            replicate=replicate,
+            shard_fn=shard_fn,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            optimizer=optimizer,
+            link_gbps=link_gbps,
+            tflops=tflops,
+            backend=backend,
+            sdpa_backends=sdpa_backends,
+        )
+    )
 
 
-def replan(previous: Plan, **changes: Any) -> Plan:
-    """``previous``'s simulation again with some settings changed, e.g.
-    ``replan(p, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))``."""
-    assert previous.settings is not None
-    return simulate(dataclasses.replace(previous.settings, **changes))
+class _Keep(enum.Enum):
+    """``replan``'s default: the setting ``previous`` was simulated with."""
+
+    KEEP = "keep"
+
+
+_KEEP = _Keep.KEEP
+
+
+def replan(
+    previous: Plan,
+    *,
+    model: nn.Module | Callable[[], nn.Module] | _Keep = _KEEP,
+    world_size: int | _Keep = _KEEP,
+    batch: Any = _KEEP,
+    loss_fn: LossFn | _Keep = _KEEP,
+    replicate: int | _Keep = _KEEP,
+    shard_fn: ShardFn | _Keep = _KEEP,
+    mp_policy: MixedPrecisionPolicy | _Keep = _KEEP,
+    offload_policy: OffloadPolicy | _Keep = _KEEP,
+    optimizer: str | OptimizerFactory | _Keep = _KEEP,
+    link_gbps: float | _Keep = _KEEP,
+    tflops: float | _Keep = _KEEP,
+    backend: str | _Keep = _KEEP,
+    sdpa_backends: tuple[SDPBackend, ...] | None | _Keep = _KEEP,
+) -> Plan:
+    """``previous``'s simulation again with the settings passed changed (``plan()``'s
+    arguments; the others are kept), e.g. ``replan(p, mp_policy=MixedPrecisionPolicy(
+    param_dtype=torch.bfloat16))``.
+
+    Raises:
+        ValueError: ``previous`` has no settings (a ``compose``d plan); and ``plan()``'s
+            errors.
+    """
+    if previous.settings is None:
+        raise ValueError(
+            "replan() needs the settings a plan was simulated with, and a composed plan "
+            "has none: replan the plans it was composed from, then compose them again"
+        )
+    changes = {
+        "model": model,
+        "world_size": world_size,
+        "batch": batch,
+        "loss_fn": loss_fn,
+        "replicate": replicate,
+        "shard_fn": shard_fn,
+        "mp_policy": mp_policy,
+        "offload_policy": offload_policy,
+        "optimizer": optimizer,
+        "link_gbps": link_gbps,
+        "tflops": tflops,
+        "backend": backend,
+        "sdpa_backends": sdpa_backends,
+    }
+    kept = {name: value for name, value in changes.items() if value is not _KEEP}
+    return simulate(dataclasses.replace(previous.settings, **kept))
 
 
 def simulate(settings: PlanSettings) -> Plan:
@@ -130,11 +235,7 @@ def _simulate_on_fake_group(settings: PlanSettings, start: float) -> Plan:
                 "call fully_shard(model, ...) last, as the default shard_fn does"
             )
         step = _run_steps(model, settings)
-    groups = [
-        _group_plan(group, model, step, settings)
-        for state in model._fsdp_states(recurse=True)
-        for group in state.groups
-    ]
+    groups = [_group_plan(info, model, step, settings) for info in model.describe_groups()]
     breakdown = step.tracker.peak_breakdown()
     return Plan(
         model=model_name,
@@ -179,8 +280,7 @@ def _run_steps(model: FSDPModule, settings: PlanSettings) -> _StepRecords:
     counter = C10dCounter()
     tracker = PeakTracker(type(model).__name__)
     if settings.backend == "gloo":
-        for group in (g for s in model._fsdp_states(recurse=True) for g in s.groups):
-            group.reduction.reduce_scatter_as_all_to_all = True
+        _reduce_scatter_as_on_gloo(model)
     kernels = (
         sdpa_kernel(list(settings.sdpa_backends))
         if settings.sdpa_backends is not None
@@ -211,6 +311,22 @@ def _run_steps(model: FSDPModule, settings: PlanSettings) -> _StepRecords:
     return _StepRecords(tracker, counter, trace, forward, backward, sharded)
 
 
+def _reduce_scatter_as_on_gloo(model: FSDPModule) -> None:
+    """Every ``fully_shard`` call reduce-scatters by an all-to-all, as ours does on gloo."""
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = module.describe_groups(recurse=False)
+        if len(groups) > 1:
+            # One custom collective serves one process group (torch's check).
+            raise NotImplementedError(
+                f"plan(backend='gloo') cannot simulate gloo's reduce-scatter for the "
+                f"fully_shard call on {type(module).__name__}: its params are on several "
+                "meshes (shard_placement_fn); plan it with backend='nccl'"
+            )
+        module.set_custom_reduce_scatter(AllToAllReduceScatter())
+
+
 def _sharded_bytes(tracker: PeakTracker) -> dict[str, int]:
     """Parameter shards, gradient shards and optimizer states live after the optimizer
     step, by MemTracker's categories (nothing is unsharded then)."""
@@ -221,7 +337,7 @@ def _sharded_bytes(tracker: PeakTracker) -> dict[str, int]:
     }
 
 
-def _owned_flops(group: FSDPParamGroup, model: nn.Module, flops: dict[str, int]) -> int:
+def _owned_flops(group: FSDPGroupInfo, model: nn.Module, flops: dict[str, int]) -> int:
     """FLOPs of ``group``'s modules without those of other groups nested in them.
     ``flops`` is inclusive, keyed like FlopCounterMode ("Llama.layers.0")."""
     names = {module: name for name, module in model.named_modules()}
@@ -251,7 +367,7 @@ def _is_outermost(sub: nn.Module, top: nn.Module) -> bool:
 
 
 def _group_plan(
-    group: FSDPParamGroup, model: nn.Module, step: _StepRecords, settings: PlanSettings
+    group: FSDPGroupInfo, model: nn.Module, step: _StepRecords, settings: PlanSettings
 ) -> GroupPlan:
     collectives: dict[str, dict[str, int]] = {}
     comm_s: dict[str, float] = {}
@@ -265,10 +381,9 @@ def _group_plan(
         comm_s[event.phase] = comm_s.get(event.phase, 0.0) + seconds
     return GroupPlan(
         fqn=group.fqn,
-        params=sum(p.sharded_param.numel() for p in group.fsdp_params),
-        unsharded_bytes=group.mesh_info.shard_size
-        * sum(p.all_gather_nbytes for p in group.fsdp_params),
-        reshard_after_forward=group.reshard_after_forward,
+        params=group.numel,
+        unsharded_bytes=group.unsharded_nbytes,
+        reshard_after_forward=bool(group.reshard_after_forward),
         collectives=collectives,
         comm_s=comm_s,
         forward_flops=_owned_flops(group, model, step.forward_flops),

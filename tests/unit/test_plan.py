@@ -3,6 +3,7 @@ short ones equals simulating it whole, bad input fails early and clearly, the fa
 group never outlives the call, and the CLI runs."""
 
 import dataclasses
+import inspect
 import json
 import subprocess
 import sys
@@ -15,11 +16,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.attention import SDPBackend
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from dtensor_fsdp import Plan, plan
+from dtensor_fsdp import Plan, auto_shard, plan
 from dtensor_fsdp.models.llama import Llama, LlamaConfig, cross_entropy_loss
 from dtensor_fsdp.plan import replan
 from dtensor_fsdp.plan.compose import compose
 from dtensor_fsdp.plan.recorders import FrozenSafeMemTracker
+from dtensor_fsdp.plan.settings import PlanSettings
 from tests.dist._tiny_llama import frozen_tiny_llama
 
 CONFIG = LlamaConfig.tiny()
@@ -93,11 +95,14 @@ def test_frozen_params_are_gathered_not_reduced(frozen: tuple[str, ...]) -> None
     not reached by the backward, the prefix's layers.0, is gathered again as the
     prefetch of layers.1's backward), reduce-scatters only those with a gradient, and
     not at all when it has none; no gradient or optimizer state for frozen params."""
-    full, tuned = _plan(), plan(
-        frozen_tiny_llama(*frozen),
-        world_size=4,
-        batch=lambda: torch.randint(0, CONFIG.vocab_size, (2, 33)),
-        loss_fn=_loss,
+    full, tuned = (
+        _plan(),
+        plan(
+            frozen_tiny_llama(*frozen),
+            world_size=4,
+            batch=lambda: torch.randint(0, CONFIG.vocab_size, (2, 33)),
+            loss_fn=_loss,
+        ),
     )
     # W=4 divides every dim 0 of the tiny Llama: no padding, shards are a quarter.
     frozen_bytes = {
@@ -257,3 +262,63 @@ def test_cli_tiny_json(tmp_path) -> None:
     assert "predicted peak" in result.stdout and "fits" in result.stdout
     figures = json.loads(path.read_text())
     assert figures["world_size"] == 4 and figures["peak_bytes"] > 0
+
+
+def _settings_fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(PlanSettings)}
+
+
+def _default(field: dataclasses.Field) -> object:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
+
+
+@pytest.mark.parametrize("entry", [plan, auto_shard], ids=["plan", "auto_shard"])
+def test_settings_are_typed_keyword_arguments(entry) -> None:
+    # Every PlanSettings field (but auto_shard's choice, shard_fn) is a keyword-only
+    # argument with the field's type and default, so that an IDE and a type checker
+    # see them; the model alone is positional.
+    params = inspect.signature(entry).parameters
+    fields = _settings_fields()
+    if entry is auto_shard:
+        del fields["shard_fn"]
+    for name, field in fields.items():
+        param = params[name]
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if name == "model" else param.KEYWORD_ONLY
+        assert param.kind == kind, name
+        assert param.annotation == field.type, name
+        assert param.default == _default(field), name
+    assert not any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def test_replan_takes_each_setting_by_name() -> None:
+    params = inspect.signature(replan).parameters
+    assert set(params) - {"previous"} == set(_settings_fields())
+    assert all(p.kind == p.KEYWORD_ONLY for name, p in params.items() if name != "previous")
+
+
+@pytest.mark.parametrize("entry", ["plan", "replan", "auto_shard"])
+def test_unknown_setting_is_a_type_error_naming_it(adamw_plan: Plan, entry: str) -> None:
+    calls = {
+        "plan": lambda: _plan(link_gpbs=100.0),
+        "replan": lambda: replan(adamw_plan, link_gpbs=100.0),
+        "auto_shard": lambda: auto_shard(
+            lambda: nn.Linear(4, 4),
+            budget_bytes=2**30,
+            world_size=2,
+            batch=torch.randn(2, 4),
+            link_gpbs=100.0,
+        ),
+    }
+    with pytest.raises(
+        TypeError, match=f"{entry}\\(\\) got an unexpected keyword argument 'link_gpbs'"
+    ):
+        calls[entry]()
+    assert not dist.is_initialized()
+
+
+def test_replan_of_a_composed_plan_is_refused() -> None:
+    composed = compose(_plan(n_layers=3), _plan(n_layers=4), 6)
+    with pytest.raises(ValueError, match="a composed plan has none"):
+        replan(composed, optimizer="sgd")

@@ -13,7 +13,6 @@ Each job has its own module: grad_reduce_scatter.py (the issue), replica_reducti
 this class holds the ``set_*`` knobs and the order.
 """
 
-import dataclasses
 import time
 from collections.abc import Callable
 
@@ -78,9 +77,6 @@ class GradientReduction:
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
         self.custom_reduce_scatter: ReduceScatter | None = None
-        # plan(backend="gloo") sets it on torch's fake process group (not gloo) to
-        # simulate the path a gloo job takes, whose receive buffer counts in the peak.
-        self.reduce_scatter_as_all_to_all = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         # set_all_reduce_hook(stream=): the accelerator stream the hook runs on; None: the
         # current one. Unused on the host.
@@ -197,8 +193,6 @@ class GradientReduction:
             and reduce_dtype in NO_OVERFLOW_RISK,
             custom=self.custom_reduce_scatter,
         )
-        if self.reduce_scatter_as_all_to_all and plan.custom is None:
-            plan = dataclasses.replace(plan, use_all_to_all=True)
         # Read once: the whole reduction of this backward follows one policy.
         policy = self.comm_precision
         is_quantized = [self._quantizes(p, policy, replicate_leg=False) for p in with_grad]
