@@ -206,7 +206,7 @@ class _CommEventWatch(CollectiveWatch):
         # On the issuing stream, right before the collective is enqueued.
         self.start_s = time.perf_counter()
         self.issued_event = self.streams.timing_event()
-        self.wait_s = self.start_s
+        self.wait_s = 0.0  # the wait's start, and its device event: `waiting`
         self.waited_event: Any = None
 
     def waiting(self) -> None:

@@ -98,6 +98,12 @@ def watch_collective(observers: Observers, collective: Collective) -> Watches:
     return tuple(watch for watch in watches if watch is not None)
 
 
+def observe_issue(observers: Observers, collective: Collective) -> Watches:
+    """Steps 1 and 2, for a collective with no lifecycle step between them."""
+    check_collective(observers, collective)
+    return watch_collective(observers, collective)
+
+
 def begin_wait(watches: Watches) -> None:
     for watch in watches:
         watch.waiting()

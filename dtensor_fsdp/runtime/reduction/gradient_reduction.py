@@ -28,9 +28,8 @@ from ..observer import (
     UnshardedGrads,
     Watches,
     begin_wait,
-    check_collective,
     end_wait,
-    watch_collective,
+    observe_issue,
 )
 from ..param import FSDPParam
 from ..scheduler import CommContext
@@ -215,8 +214,10 @@ class GradientReduction:
         )
         watches: Watches = ()
         if observers:
-            grads_to_reduce = UnshardedGrads([p.fqn for p in with_grad], grads, reduce_dtype)
-            watches = self._observe("reduce_scatter", observers, fqn, ctx, grads_to_reduce)
+            taken_grads = UnshardedGrads([p.fqn for p in with_grad], grads, reduce_dtype)
+            watches = observe_issue(
+                observers, self._describe_reduce_scatter(fqn, ctx.streams, taken_grads)
+            )
         residuals = (
             self.error_feedback.residuals(with_grad, is_quantized)
             if policy is not None and policy.error_feedback and any(is_quantized)
@@ -345,41 +346,39 @@ class GradientReduction:
         params, parts = take_replica_parts(self.fsdp_params, chunks)
         watches: Watches = ()
         if observers:
-            nbytes = sum(t.nbytes for t in parts)
-            watches = self._observe("all_reduce", observers, fqn, ctx, nbytes)
+            watches = observe_issue(observers, self._describe_all_reduce(fqn, ctx.streams, parts))
         is_quantized = [self._quantizes(p, policy, replicate_leg=True) for p in params]
         return issue_replica_all_reduce(
             params, parts, is_quantized, self.mesh_info.replicate_group, average, policy, watches
         )
 
-    def _observe(
-        self,
-        kind: str,
-        observers: Observers,
-        fqn: str,
-        ctx: CommContext,
-        payload: UnshardedGrads | int,
-    ) -> Watches:
-        """A reduce-scatter of ``payload`` (the grads) or an all-reduce of ``payload``
-        bytes over the replicas, to the observers: their checks (which may raise:
-        nothing is issued then), then their watches."""
-        if isinstance(payload, UnshardedGrads):
-            group, size = self.reduce_scatter_group, self.mesh_info.shard_size
-            itemsize = payload.reduce_dtype.itemsize
-            nbytes = sum(g.numel() for g in payload.grads) * itemsize
-        else:
-            group, size = self.mesh_info.replicate_group, self.mesh_info.replicate_size
-            nbytes = payload
-        collective = Collective(
-            kind,
+    def _describe_reduce_scatter(
+        self, fqn: str, streams: CommStreams, grads: UnshardedGrads
+    ) -> Collective:
+        """The reduce-scatter of ``grads`` over the shard ranks, for the observers."""
+        return Collective(
+            "reduce_scatter",
             fqn,
             "backward",
-            group,
-            size,
+            self.reduce_scatter_group,
+            self.mesh_info.shard_size,
             self.mesh_info.device,
-            nbytes,
-            ctx.streams,
-            payload if isinstance(payload, UnshardedGrads) else None,
+            sum(g.numel() for g in grads.grads) * grads.reduce_dtype.itemsize,
+            streams,
+            grads,
         )
-        check_collective(observers, collective)
-        return watch_collective(observers, collective)
+
+    def _describe_all_reduce(
+        self, fqn: str, streams: CommStreams, parts: list[torch.Tensor]
+    ) -> Collective:
+        """HSDP's all-reduce of ``parts`` over the replicas, for the observers."""
+        return Collective(
+            "all_reduce",
+            fqn,
+            "backward",
+            self.mesh_info.replicate_group,
+            self.mesh_info.replicate_size,
+            self.mesh_info.device,
+            sum(t.nbytes for t in parts),
+            streams,
+        )
