@@ -17,7 +17,8 @@ from .api import (
     ReduceScatter,
 )
 from .io.state_dict import residual_states, validate_state_dict
-from .observe.trace import CommTrace
+from .observe.consistency import CollectiveCheck
+from .observe.trace import CommTrace, TraceObserver
 from .runtime.param_group import FSDPParamGroup
 from .runtime.reduction.error_feedback import attribute_tree
 from .runtime.state import FSDPState, assign_fqns, max_in_flight_reduce_scatters, state_of
@@ -250,8 +251,9 @@ class FSDPModule:
         dtensor_fsdp only: not in torch."""
         states = self._fsdp_states(recurse=True)
         assign_fqns((self,), states)  # type: ignore[arg-type]
+        observer = TraceObserver(trace) if trace is not None else None
         for group in self._groups(recurse=True):
-            group.trace = trace
+            group.set_observer("trace", observer)
 
     def describe_groups(self, recurse: bool = True) -> list[FSDPGroupInfo]:
         """Describe the parameter groups of this module's ``fully_shard`` call, and with
@@ -286,10 +288,9 @@ class FSDPModule:
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
         state = self._root_state_for_checks()
-        state.divergence_check = enabled
-        state.divergence_timeout = timeout
-        if state.ctx is not None:
-            state.ctx.check = state.collective_check(state.states_in_tree)
+        checks = state.check
+        finite_grads = isinstance(checks, CollectiveCheck) and checks.finite_grads
+        state.set_check(_collective_check(state, enabled, finite_grads, timeout))
 
     def set_nonfinite_grad_check(self, enabled: bool = True) -> None:
         """Before each reduce-scatter of this root's tree, check every rank's unsharded
@@ -300,9 +301,10 @@ class FSDPModule:
         training with a GradScaler expects (and skips) occasional Infs. Call it on the
         root, on every rank. dtensor_fsdp only: not in torch."""
         state = self._root_state_for_checks()
-        state.nonfinite_grad_check = enabled
-        if state.ctx is not None:
-            state.ctx.check = state.collective_check(state.states_in_tree)
+        checks = state.check
+        signatures = isinstance(checks, CollectiveCheck) and checks.signatures
+        timeout = checks.timeout if isinstance(checks, CollectiveCheck) else None
+        state.set_check(_collective_check(state, signatures, enabled, timeout))
 
     def _root_state_for_checks(self) -> FSDPState:
         # Before lazy init the root is not known yet: it reads its own settings then.
@@ -566,6 +568,23 @@ def _describe(group: FSDPParamGroup) -> FSDPGroupInfo:
         reshard_after_forward=(
             post_forward.shard_size if post_forward is not None else group.reshard_after_forward
         ),
+    )
+
+
+def _collective_check(
+    root: FSDPState, signatures: bool, finite_grads: bool, timeout: timedelta | None
+) -> CollectiveCheck | None:
+    """The root's checks before collectives (observe/consistency.py), if any is on. A
+    new one per setter call, on every rank alike: the sequence numbers restart."""
+    if not (signatures or finite_grads):
+        return None
+    return CollectiveCheck(
+        signatures=signatures,
+        finite_grads=finite_grads,
+        # Read when naming what other ranks sent, after lazy init: the tree is known.
+        fqns=lambda: [g.fqn for s in root.states_in_tree for g in s.groups],
+        on_failure=root.reset_iter_state,
+        timeout=timeout,
     )
 
 

@@ -26,7 +26,9 @@ reduction spreads it to every rank's shards.
 
 Cost: one synchronous round trip per collective (the host waits for the slowest rank a
 little earlier than the collective would have made it wait); measured in
-``benchmarks/bench_checks.py``.
+``benchmarks/bench_checks.py``. Both checks are one `CommObserver` (runtime/observer.py)
+that the root's setters attach to every group of its tree: with both off, the runtime
+calls nothing of this module.
 """
 
 import zlib
@@ -39,6 +41,7 @@ import torch.distributed as dist
 
 from ..runtime.collectives import _all_gather_single
 from ..runtime.mesh import backend_for
+from ..runtime.observer import Collective, CommObserver
 
 PHASES = ("forward", "backward", "explicit")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -73,7 +76,7 @@ class CollectiveSignature:
         )
 
 
-class CollectiveCheck:
+class CollectiveCheck(CommObserver):
     """Per root: the sequence numbers per process group, and the exchange itself."""
 
     def __init__(
@@ -104,6 +107,32 @@ class CollectiveCheck:
 
     def applies_to(self, kind: str) -> bool:
         return self.signatures or (self.finite_grads and kind == "reduce_scatter")
+
+    def before_issue(self, collective: Collective) -> None:
+        """`before` for each collective of the groups this check is attached to."""
+        if not self.applies_to(collective.kind):
+            return
+        grads = collective.grads
+        names, first = None, _NO_NONFINITE
+        if grads is not None:
+            names = grads.names
+            if self.finite_grads:
+                # As the collective will carry them: a narrowing cast may overflow
+                # (fp32 to fp16); a widening one cannot, so no fp32 copies of bf16 grads.
+                dtype = grads.reduce_dtype
+                first = first_nonfinite(
+                    [g.to(dtype) if g.dtype.itemsize > dtype.itemsize else g for g in grads.grads]
+                )
+        self.before(
+            collective.group,
+            collective.device,
+            collective.fqn,
+            collective.phase,
+            collective.kind,
+            collective.nbytes,
+            grad_names=names,
+            first_nonfinite=first,
+        )
 
     def before(
         self,
@@ -187,6 +216,15 @@ class CollectiveCheck:
                         "set_divergence_check(timeout=...)"
                     ) from error
         return recv.view(-1, SIGNATURE_FIELDS).tolist()
+
+
+def first_nonfinite(grads: list[torch.Tensor]) -> int:
+    """The index of the first gradient holding a NaN or Inf, -1 if none: one fused
+    max-abs per gradient (NaN propagates through it; finite values cannot overflow)
+    and one host sync for the whole group."""
+    max_abs = torch.stack(torch._foreach_norm(grads, float("inf")))  # (len(grads),)
+    bad = (~max_abs.isfinite()).nonzero()
+    return int(bad[0]) if bad.numel() else _NO_NONFINITE
 
 
 def _decode(row: list[int], names: dict[int, str]) -> CollectiveSignature:

@@ -13,12 +13,19 @@ wait that returns at once; each event then also carries `DeviceTiming`, three de
 events (issued on the issuing stream; compute reached the wait; the wait was over), and
 ``exposed_s`` is the time the compute stream really stalled on the collective.
 Resolving device times synchronizes with those events, so read them after the step.
+
+`TraceObserver` is how the runtime fills a trace: ``set_comm_trace`` attaches one to
+every group (runtime/observer.py), so a run without a trace reads no clock at all.
 """
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..runtime.observer import Collective, CollectiveWatch, CommObserver
+from ..runtime.streams import CommStreams
 
 
 @dataclass(frozen=True)
@@ -170,3 +177,55 @@ def _chrome_record(event: CommEvent, pid: int, start_s: float, end_s: float) -> 
             "exposed_us": event.exposed_s * 1e6,
         },
     }
+
+
+class TraceObserver(CommObserver):
+    """Appends every collective and lifecycle step of the groups it is attached to
+    to ``trace`` (``FSDPModule.set_comm_trace``)."""
+
+    def __init__(self, trace: CommTrace) -> None:
+        self.trace = trace
+
+    def lifecycle(self, step: str, fqn: str, phase: str) -> None:
+        self.trace.lifecycle.append(LifecycleEvent(step, fqn, phase))
+
+    def issuing(self, collective: Collective) -> CollectiveWatch:
+        return _CommEventWatch(self.trace, collective)
+
+
+class _CommEventWatch(CollectiveWatch):
+    """One collective's `CommEvent` in the making: host times at the issue and around
+    the wait, and on an accelerator a device event at each (see `DeviceTiming`)."""
+
+    def __init__(self, trace: CommTrace, collective: Collective) -> None:
+        self.trace = trace
+        self.kind = collective.kind
+        self.fqn = collective.fqn
+        self.group_size = collective.group_size
+        self.streams: CommStreams = collective.streams
+        # On the issuing stream, right before the collective is enqueued.
+        self.start_s = time.perf_counter()
+        self.issued_event = self.streams.timing_event()
+        self.wait_s = 0.0  # the wait's start, and its device event: `waiting`
+        self.waited_event: Any = None
+
+    def waiting(self) -> None:
+        self.wait_s = time.perf_counter()
+        self.waited_event = self.streams.timing_event()
+
+    def waited(self, nbytes: int, phase: str) -> None:
+        self.trace.events.append(
+            CommEvent(
+                kind=self.kind,
+                fqn=self.fqn,
+                group_size=self.group_size,
+                nbytes=nbytes,
+                start_s=self.start_s,
+                wait_s=self.wait_s,
+                end_s=time.perf_counter(),
+                phase=phase,
+                device=DeviceTiming.of(
+                    self.issued_event, self.waited_event, self.streams.timing_event
+                ),
+            )
+        )

@@ -21,7 +21,6 @@ over several modules is only complete after the last one's ``_apply``), at lazy 
 and before an all-gather that finds a replaced local tensor.
 """
 
-import time
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -36,7 +35,6 @@ from ..api import (
     OffloadPolicy,
 )
 from ..comm_precision.wire_format import WireLayout, decode
-from ..observe.trace import CommEvent, CommTrace, DeviceTiming, LifecycleEvent
 from .collectives import (
     AllGatherResult,
     all_gather,
@@ -45,6 +43,16 @@ from .collectives import (
 )
 from .extension import has_all_gather_extension
 from .mesh import MeshInfo
+from .observer import (
+    Collective,
+    CommObserver,
+    Observers,
+    Watches,
+    begin_wait,
+    check_collective,
+    end_wait,
+    watch_collective,
+)
 from .param import FSDPParam, ParamToShard, ShardedState
 from .param_reset import (
     adopt_replacement,
@@ -137,19 +145,16 @@ class FSDPParamGroup:
         # first of a call's groups to reduce (the last one) does, as in torch; set by
         # fully_shard. See [Note: reduce-scatters in flight].
         self.waits_for_reduce_scatters = True
-        self.reduction = GradientReduction(
-            self.fsdp_params,
-            mesh_info,
-            self._record_comm,
-            self._timing_event,
-            offload=self.offload,
-        )
+        self.reduction = GradientReduction(self.fsdp_params, mesh_info, offload=self.offload)
         self.ctx: CommContext | None = None  # handed down at the root's lazy init
-        self.trace: CommTrace | None = None
+        # What watches this group's collectives and steps (trace, checks: see
+        # runtime/observer.py), by the name `set_observer` attached it under; the
+        # tuple is what the runtime tests and calls, empty when nothing is attached.
+        self._observer_slots: dict[str, CommObserver] = {}
+        self.observers: Observers = ()
         self._all_gather: AllGatherResult | None = None  # issued, not yet copied out
         self._all_gather_source: AllGatherSource | None = None  # what it gathers
-        self._all_gather_issued_s = 0.0
-        self._all_gather_issued_event: object | None = None  # a device timing event
+        self._all_gather_watches: Watches = ()  # the observers' watches of it
         # Recorded on the all-gather's stream right after it: the copy-out waits for it.
         self._all_gather_event: object | None = None
         # Whether the in-flight all-gather was issued by an async unshard (a prefetch):
@@ -399,19 +404,8 @@ class FSDPParamGroup:
             self._gathered_versions = [p.sharded_version() for p in self.fsdp_params]
         with streams.on(role):
             source = self._all_gather_source_now()
-            if self.ctx is not None and self.ctx.check is not None:
-                if self.ctx.check.applies_to("all_gather"):
-                    self.ctx.check.before(
-                        source.mesh_info.shard_group,
-                        source.mesh_info.device,
-                        self.fqn,
-                        self._phase(),
-                        "all_gather",
-                        source.input.nbytes,
-                    )
-            self._record("unshard")
-            self._all_gather_issued_s = time.perf_counter()
-            self._all_gather_issued_event = self._timing_event()
+            if self.observers:
+                self._all_gather_watches = self._observe_all_gather(source)
             self._all_gather = all_gather(
                 source.input, source.mesh_info.shard_group, self.custom_all_gather
             )
@@ -479,7 +473,8 @@ class FSDPParamGroup:
         self._post_forward_event = None
         if self.sharded_state == ShardedState.SHARDED:
             return
-        self._record("reshard")
+        if self.observers:
+            self._record("reshard")
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_sharded()
         self.sharded_state = ShardedState.SHARDED
@@ -573,7 +568,8 @@ class FSDPParamGroup:
         kept = [p.unsharded_rows(k)[j] for p in self._post_forward_order]  # each (W/k * bytes,)
         self._post_forward_buffer = torch.cat(kept)  # (W/k * shard_nbytes,) uint8
         self._post_forward_event = self._streams().record_compute()
-        self._record("reshard_post_forward")
+        if self.observers:
+            self._record("reshard_post_forward")
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_sharded()
         self.sharded_state = ShardedState.SHARDED
@@ -582,7 +578,8 @@ class FSDPParamGroup:
         if self.training_state == TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
-        self._record("pre_backward")
+        if self.observers:
+            self._record("pre_backward")
         self.unshard()
 
     def post_backward(self) -> None:
@@ -599,7 +596,8 @@ class FSDPParamGroup:
         next pre-backward re-gathers the params first.
         """
         self.training_state = TrainingState.POST_BACKWARD
-        self._record("post_backward")
+        if self.observers:
+            self._record("post_backward")
         if not self.requires_gradient_sync:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.accumulate_unsharded_grad()
@@ -613,7 +611,7 @@ class FSDPParamGroup:
         if self.reshard_after_backward:
             self.reshard()
         self.reduction.reduce_scatter(
-            self.ctx, self.fqn, taken, make_room=self.waits_for_reduce_scatters
+            self.ctx, self.fqn, taken, self.observers, make_room=self.waits_for_reduce_scatters
         )
 
     def finalize_backward(self) -> None:
@@ -714,6 +712,7 @@ class FSDPParamGroup:
         result, self._all_gather = self._all_gather, None
         source, self._all_gather_source = self._all_gather_source, None
         event, self._all_gather_event = self._all_gather_event, None
+        watches, self._all_gather_watches = self._all_gather_watches, ()
         if result is None:
             return None
         assert source is not None
@@ -721,17 +720,12 @@ class FSDPParamGroup:
         self._streams().wait_for_event(None, event)
         if source.mesh_info.shard_size == 1:
             return result  # nothing was issued (one rank)
-        wait_s, waited_event = time.perf_counter(), self._timing_event()
+        if watches:
+            begin_wait(watches)
         if result.work is not None:
             result.work.wait()  # on an accelerator, the compute stream waits
-        self._record_comm(
-            "all_gather",
-            result.output.numel(),
-            self._all_gather_issued_s,
-            wait_s,
-            group_size=source.mesh_info.shard_size,
-            device=DeviceTiming.of(self._all_gather_issued_event, waited_event, self._timing_event),
-        )
+        if watches:
+            end_wait(watches, result.output.numel(), self._phase())  # uint8 output
         return result
 
     def _release_all_gather(self) -> None:
@@ -769,11 +763,7 @@ class FSDPParamGroup:
         all-gather stream; a user's ``unshard()`` on the current one, as in torch."""
         return StreamRole.ALL_GATHER if self._phase() in ("forward", "backward") else None
 
-    def _timing_event(self) -> object | None:
-        """A device timing event for the trace, if tracing on an accelerator."""
-        return self._streams().timing_event() if self.trace is not None else None
-
-    # Tracing #
+    # Observers #
 
     def _phase(self) -> str:
         if self.training_state == TrainingState.FORWARD:
@@ -786,31 +776,35 @@ class FSDPParamGroup:
             return "forward"  # prefetched for a forward that has not reached us yet
         return "explicit"
 
-    def _record(self, event: str) -> None:
-        if self.trace is not None:
-            self.trace.lifecycle.append(LifecycleEvent(event, self.fqn, self._phase()))
+    def set_observer(self, name: str, observer: CommObserver | None) -> None:
+        """Attach ``observer`` under ``name`` (``"trace"``, ``"check"``: the setter's
+        own name), replacing the one attached there; ``None`` detaches it."""
+        self._observer_slots.pop(name, None)
+        if observer is not None:
+            self._observer_slots[name] = observer
+        self.observers = tuple(self._observer_slots.values())
 
-    def _record_comm(
-        self,
-        kind: str,
-        nbytes: int,
-        issued_s: float,
-        wait_s: float,
-        phase: str | None = None,
-        group_size: int | None = None,
-        device: "DeviceTiming | None" = None,
-    ) -> None:
-        if self.trace is not None:
-            self.trace.events.append(
-                CommEvent(
-                    kind=kind,
-                    fqn=self.fqn,
-                    group_size=group_size or self.mesh_info.shard_size,
-                    nbytes=nbytes,
-                    start_s=issued_s,
-                    wait_s=wait_s,
-                    end_s=time.perf_counter(),
-                    phase=phase or self._phase(),
-                    device=device,
-                )
-            )
+    def _record(self, step: str) -> None:
+        """Lifecycle ``step`` to the observers; callers test ``self.observers`` first,
+        so that a group without any pays no call."""
+        phase = self._phase()
+        for observer in self.observers:
+            observer.lifecycle(step, self.fqn, phase)
+
+    def _observe_all_gather(self, source: AllGatherSource) -> Watches:
+        """The all-gather of ``source`` to the observers: their checks (which may
+        raise: nothing is issued then), the ``unshard`` step, then their watches, on
+        the stream it is issued from."""
+        collective = Collective(
+            "all_gather",
+            self.fqn,
+            self._phase(),
+            source.mesh_info.shard_group,
+            source.mesh_info.shard_size,
+            source.mesh_info.device,
+            source.input.nbytes,
+            self._streams(),
+        )
+        check_collective(self.observers, collective)
+        self._record("unshard")
+        return watch_collective(self.observers, collective)

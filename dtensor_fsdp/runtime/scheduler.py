@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from ..observe.consistency import CollectiveCheck
+from .observer import CommObserver
 from .streams import CommStreams, StreamRole
 
 
@@ -92,9 +92,11 @@ class CommContext:
         self._post_forward_indices: dict[int, list[int]] = {}
         self.is_in_forward = False  # between the root's pre- and post-forward
         self.is_backward_callback_queued = False
-        # set_divergence_check / set_nonfinite_grad_check: ranks agree before each
-        # collective (see consistency.py); None when both are off.
-        self.check: CollectiveCheck | None = None
+        # The observer FSDPModule.set_divergence_check / set_nonfinite_grad_check
+        # attach to every group of the tree (ranks agree before each collective:
+        # observe/consistency.py); one for the tree, since its sequence numbers count
+        # per process group across groups. None when both checks are off.
+        self.check: CommObserver | None = None
         # One entry per issued reduce-scatter: (finish: wait and land its sharded grads,
         # abandon: wait only, after an exception).
         self._pending_reduce_scatters: deque[tuple[Callable[[], None], Callable[[], None]]] = (

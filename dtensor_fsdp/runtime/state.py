@@ -21,7 +21,6 @@ The lifecycle of a parameter, and the method that performs each step:
 
 import dataclasses
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar
 
 import torch
@@ -30,7 +29,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..api import MixedPrecisionPolicy
-from ..observe.consistency import CollectiveCheck
+from .observer import CommObserver
 from .param import FSDPParam
 from .param_group import FSDPParamGroup, TrainingState, is_in_backward
 from .scheduler import CommContext
@@ -90,10 +89,8 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] | None = None  # None: implicit
         self.max_in_flight_reduce_scatters = 1  # torch's default; read at lazy init
-        # set_divergence_check / set_nonfinite_grad_check, read on the root.
-        self.divergence_check = False
-        self.divergence_timeout: timedelta | None = None
-        self.nonfinite_grad_check = False
+        # The root's tree-wide check observer (`set_check`), read at lazy init.
+        self.check: CommObserver | None = None
         self.post_optim_event: torch.Event | None = None  # root only, used once
         self.shared_streams: CommStreams | None = None  # share_comm_ctx, read at lazy init
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -129,7 +126,7 @@ class FSDPState:
         ctx = CommContext(
             max_in_flight_reduce_scatters(states), self.shared_streams or streams_for(self.device)
         )
-        ctx.check = self.collective_check(states)
+        ctx.check = self.check
         groups = [g for s in states for g in s.groups]
         # A parameter replaced since fully_shard by another group's sharded param (a tie
         # made after fully_shard) is refused before any group adopts anything.
@@ -146,23 +143,24 @@ class FSDPState:
             state.is_root = state is self
         for group in groups:
             group.tree_params = tree_params
+            group.set_observer("check", self.check)
         # The root's params are needed as soon as backward starts: keep them unsharded.
         if self.auto_reshard_after_forward:
             for group in self.groups:
                 group.reshard_after_forward = False
         self.states_in_tree = states
 
-    def collective_check(self, states: "list[FSDPState]") -> CollectiveCheck | None:
-        """The root's checks before collectives (see consistency.py), if any is on."""
-        if not (self.divergence_check or self.nonfinite_grad_check):
-            return None
-        return CollectiveCheck(
-            signatures=self.divergence_check,
-            finite_grads=self.nonfinite_grad_check,
-            fqns=lambda: [g.fqn for s in states for g in s.groups],
-            on_failure=self.reset_iter_state,
-            timeout=self.divergence_timeout,
-        )
+    def set_check(self, check: CommObserver | None) -> None:
+        """Root: attach ``check`` (FSDPModule.set_divergence_check and
+        set_nonfinite_grad_check build it) to every group of the tree, replacing the
+        one there; before lazy init the tree is not known yet and lazy init does it."""
+        self.check = check
+        if self.ctx is None:
+            return
+        self.ctx.check = check
+        for state in self.states_in_tree:
+            for group in state.groups:
+                group.set_observer("check", check)
 
     # Runtime #
 

@@ -13,17 +13,24 @@ Each job has its own module: grad_reduce_scatter.py (the issue), replica_reducti
 this class holds the ``set_*`` knobs and the order.
 """
 
-import time
+import dataclasses
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from ...api import CommPrecisionPolicy, CPUOffloadPolicy, ReduceScatter
-from ...observe.consistency import CollectiveCheck
-from ...observe.trace import DeviceTiming
 from ..collectives import ReductionPlan
 from ..mesh import MeshInfo
+from ..observer import (
+    Collective,
+    Observers,
+    UnshardedGrads,
+    Watches,
+    begin_wait,
+    end_wait,
+    observe_issue,
+)
 from ..param import FSDPParam
 from ..scheduler import CommContext
 from ..streams import CommStreams, StreamRole
@@ -33,7 +40,6 @@ from .reduce_scatter import (
     IssuedReduceScatter,
     collect_grads,
     finish_any_reduce_scatter,
-    first_nonfinite,
     gradient_divisors,
     issue_reduce_scatter,
     quantized_plan,
@@ -53,22 +59,16 @@ class GradientReduction:
         self,
         fsdp_params: list[FSDPParam],
         mesh_info: MeshInfo,
-        record_comm: Callable[..., None],
-        timing_event: Callable[[], object | None],
         offload: CPUOffloadPolicy | None,
     ) -> None:
         """
         Args:
             fsdp_params: the group's parameters, in its buffer order.
             mesh_info: the group's data-parallel mesh.
-            record_comm: the group's trace recorder (kind, nbytes, issued_s, wait_s, ...).
-            timing_event: the group's device timing events for the trace (or None).
             offload: CPU offload's policy, if on: the sharded grads land in host memory.
         """
         self.fsdp_params = fsdp_params
         self.mesh_info = mesh_info
-        self._record_comm = record_comm
-        self._timing_event = timing_event
         self.offload = offload
         # CPU offload on an accelerator: the event after this backward's asynchronous
         # device-to-host grad copies; the host waits for it at the end of backward.
@@ -167,13 +167,16 @@ class GradientReduction:
         ctx: CommContext,
         fqn: str,
         taken: tuple[list[FSDPParam], list[torch.Tensor]],
+        observers: Observers,
         make_room: bool = True,
     ) -> None:
         """Issue one reduce-scatter of the grads `take_grads` took from the group
         (``fqn``); the grads are freed once copied into its input. ``ctx`` finishes it
         (waits, reduces over replicas, lands the sharded grads) when its turn comes.
-        ``make_room``: whether to wait for the oldest in flight first (False for the
-        groups of a call on several meshes but the first to reduce)."""
+        ``observers``: the group's (runtime/observer.py), which also see the HSDP
+        all-reduce that follows. ``make_room``: whether to wait for the oldest in
+        flight first (False for the groups of a call on several meshes but the first
+        to reduce)."""
         with_grad, grads = taken
         if not with_grad:
             return
@@ -197,26 +200,6 @@ class GradientReduction:
         policy = self.comm_precision
         is_quantized = [self._quantizes(p, policy, replicate_leg=False) for p in with_grad]
         plan = quantized_plan(plan, policy, is_quantized)
-        if ctx.check is not None and ctx.check.applies_to("reduce_scatter"):
-            ctx.check.before(
-                self.reduce_scatter_group,
-                self.mesh_info.device,
-                fqn,
-                "backward",
-                "reduce_scatter",
-                sum(g.numel() for g in grads) * reduce_dtype.itemsize,
-                grad_names=[p.fqn for p in with_grad],
-                # As the collective will carry them: a narrowing cast may overflow (fp32
-                # to fp16); a widening one cannot, so no fp32 copies of bf16 grads.
-                first_nonfinite=first_nonfinite(
-                    [
-                        g.to(reduce_dtype) if g.dtype.itemsize > reduce_dtype.itemsize else g
-                        for g in grads
-                    ]
-                )
-                if ctx.check.finite_grads
-                else -1,
-            )
         pre_divisor, post_divisor = gradient_divisors(
             plan,
             reduce_dtype,
@@ -224,7 +207,12 @@ class GradientReduction:
             self.mesh_info.shard_size,
             self.mesh_info.replicate_size,
         )
-        issued_s, issued_event = time.perf_counter(), self._timing_event()
+        watches: Watches = ()
+        if observers:
+            taken_grads = UnshardedGrads([p.fqn for p in with_grad], grads, reduce_dtype)
+            watches = observe_issue(
+                observers, self._describe_reduce_scatter(fqn, ctx.streams, taken_grads)
+            )
         residuals = (
             self.error_feedback.residuals(with_grad, is_quantized)
             if policy is not None and policy.error_feedback and any(is_quantized)
@@ -245,7 +233,7 @@ class GradientReduction:
         # sums) and waits for this event first: a Work orders only the collective.
         written = ctx.streams.record_compute() if self.mesh_info.is_hsdp else None
         issued = IssuedReduceScatter(
-            result, with_grad, post_divisor, policy, fqn, issued_s, issued_event, written
+            result, with_grad, post_divisor, policy, fqn, observers, watches, written
         )
         ctx.enqueue_reduce_scatter(
             lambda: self._finish(issued, ctx),
@@ -270,17 +258,12 @@ class GradientReduction:
         result = issued.result
         if result.work is None and self.mesh_info.shard_size == 1:
             return  # nothing was issued (one rank)
-        wait_s, waited_event = time.perf_counter(), self._timing_event()
+        if issued.watches:
+            begin_wait(issued.watches)
         if result.work is not None:
             result.work.wait()
-        self._record_comm(
-            "reduce_scatter",
-            result.input_nbytes,
-            issued.issued_s,
-            wait_s,
-            phase="backward",
-            device=DeviceTiming.of(issued.issued_event, waited_event, self._timing_event),
-        )
+        if issued.watches:
+            end_wait(issued.watches, result.input_nbytes, "backward")
 
     def _issue_all_reduce(self, issued: IssuedReduceScatter, ctx: CommContext) -> None:
         """HSDP: once the reduce-scatter is done, issue the all-reduce over replicas on
@@ -297,8 +280,9 @@ class GradientReduction:
                 dict(zip(issued.params, split_reduced(reduced, issued.params), strict=True)),
                 average=issued.result.plan.average_in_all_reduce,
                 policy=issued.policy,
-                check=ctx.check,
+                observers=issued.observers,
                 fqn=issued.fqn,
+                ctx=ctx,
             )
         # Compute frees what the all-reduce stream read: the reduce-scatter's buffers and
         # the partial sums of micro-batches without all-reduce.
@@ -313,7 +297,7 @@ class GradientReduction:
     def _land_all_reduced(
         self, pending: ReplicaAllReduce, post_divisor: float, streams: CommStreams
     ) -> None:
-        params, reduced = self._finish_all_reduce(pending)  # read on the compute stream
+        params, reduced = finish_replica_all_reduce(pending)  # read on the compute stream
         # The all-reduce stream may reuse its buffers once compute has read them.
         streams.wait_for_compute(StreamRole.ALL_REDUCE)
         self._land(params, reduced, post_divisor, streams)
@@ -347,41 +331,49 @@ class GradientReduction:
         chunks: dict[FSDPParam, torch.Tensor],
         average: bool,
         policy: CommPrecisionPolicy | None,
-        check: CollectiveCheck | None,
+        observers: Observers,
         fqn: str,
+        ctx: CommContext,
     ) -> ReplicaAllReduce:
         """HSDP: issue the reduction of the shard-reduced chunks over the replicate axis
         (one all-reduce, plus the quantized leg's all-to-all if a policy quantizes it),
         adding the partial sums that micro-batches without all-reduce left."""
         params, parts = take_replica_parts(self.fsdp_params, chunks)
-        if check is not None and check.applies_to("all_reduce"):
-            check.before(
-                self.mesh_info.replicate_group,
-                self.mesh_info.device,
-                fqn,
-                "backward",
-                "all_reduce",
-                sum(t.nbytes for t in parts),
-            )
-        issued = (time.perf_counter(), self._timing_event())
+        watches: Watches = ()
+        if observers:
+            watches = observe_issue(observers, self._describe_all_reduce(fqn, ctx.streams, parts))
         is_quantized = [self._quantizes(p, policy, replicate_leg=True) for p in params]
         return issue_replica_all_reduce(
-            params, parts, is_quantized, self.mesh_info.replicate_group, average, policy, issued
+            params, parts, is_quantized, self.mesh_info.replicate_group, average, policy, watches
         )
 
-    def _finish_all_reduce(self, pending: ReplicaAllReduce) -> tuple[list[FSDPParam], torch.Tensor]:
-        """Wait for the replicate-axis reduction; the params and their reduced chunks, one
-        1-D buffer in the params' order."""
-        wait_s, waited_event = time.perf_counter(), self._timing_event()
-        return finish_replica_all_reduce(
-            pending,
-            lambda: self._record_comm(
-                "all_reduce",
-                pending.nbytes,
-                pending.issued_s,
-                wait_s,
-                phase="backward",
-                group_size=self.mesh_info.replicate_size,
-                device=DeviceTiming.of(pending.issued_event, waited_event, self._timing_event),
-            ),
+    def _describe_reduce_scatter(
+        self, fqn: str, streams: CommStreams, grads: UnshardedGrads
+    ) -> Collective:
+        """The reduce-scatter of ``grads`` over the shard ranks, for the observers."""
+        return Collective(
+            "reduce_scatter",
+            fqn,
+            "backward",
+            self.reduce_scatter_group,
+            self.mesh_info.shard_size,
+            self.mesh_info.device,
+            sum(g.numel() for g in grads.grads) * grads.reduce_dtype.itemsize,
+            streams,
+            grads,
+        )
+
+    def _describe_all_reduce(
+        self, fqn: str, streams: CommStreams, parts: list[torch.Tensor]
+    ) -> Collective:
+        """HSDP's all-reduce of ``parts`` over the replicas, for the observers."""
+        return Collective(
+            "all_reduce",
+            fqn,
+            "backward",
+            self.mesh_info.replicate_group,
+            self.mesh_info.replicate_size,
+            self.mesh_info.device,
+            sum(t.nbytes for t in parts),
+            streams,
         )

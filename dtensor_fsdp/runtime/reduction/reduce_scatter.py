@@ -21,6 +21,7 @@ from ..collectives import (
     quantized_reduce_scatter,
     reduce_scatter,
 )
+from ..observer import Observers, Watches
 from ..param import FSDPParam
 from .landing import NO_OVERFLOW_RISK
 
@@ -33,9 +34,9 @@ class IssuedReduceScatter:
     params: list[FSDPParam]  # those with a gradient, in the reduced buffer's order
     post_divisor: float
     policy: CommPrecisionPolicy | None  # read once: the whole reduction follows it
-    fqn: str  # the group's, for the checks' messages
-    issued_s: float
-    issued_event: object | None  # device timing, when tracing on an accelerator
+    fqn: str  # the group's, for the observers
+    observers: Observers  # the group's at the issue: they also see HSDP's all-reduce
+    watches: Watches  # the observers' watches of this reduce-scatter
     written_event: object | None  # HSDP: compute's writes before the issue (see there)
 
 
@@ -145,12 +146,3 @@ def finish_any_reduce_scatter(
     if isinstance(result, QuantizedReduceScatterResult):
         return finish_quantized_reduce_scatter(result)
     return finish_reduce_scatter(result)
-
-
-def first_nonfinite(grads: list[torch.Tensor]) -> int:
-    """The index of the first gradient holding a NaN or Inf, -1 if none: one fused
-    max-abs per gradient (NaN propagates through it; finite values cannot overflow)
-    and one host sync for the whole group."""
-    max_abs = torch.stack(torch._foreach_norm(grads, float("inf")))  # (len(grads),)
-    bad = (~max_abs.isfinite()).nonzero()
-    return int(bad[0]) if bad.numel() else -1

@@ -7,7 +7,6 @@ one all-to-all of the encoded ones (then an all-gather when finishing).
 """
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,6 +18,7 @@ from ..collectives import (
     finish_quantized_all_reduce,
     quantized_all_reduce,
 )
+from ..observer import Watches, begin_wait, end_wait
 from ..param import FSDPParam
 
 
@@ -32,8 +32,7 @@ class ReplicaAllReduce:
     exact_flat: torch.Tensor | None  # the exact params' chunks, all-reduced in place
     exact_work: dist.Work | None
     quantized: QuantizedAllReduceResult | None
-    issued_s: float
-    issued_event: object | None  # device timing, when tracing on an accelerator
+    watches: Watches  # the group's observers' watches of this reduction
     nbytes: int  # bytes this rank sends
 
     def wait(self) -> None:
@@ -65,14 +64,14 @@ def issue_replica_all_reduce(
     group: dist.ProcessGroup,
     average: bool,
     policy: CommPrecisionPolicy | None,
-    issued: tuple[float, object | None],
+    watches: Watches,
 ) -> ReplicaAllReduce:
     """Issue the sum of ``parts`` (1-D each) over ``group``: one all-reduce of the exact
     ones, one quantized all-reduce of those ``is_quantized`` marks.
 
     Args:
         average: the exact all-reduce averages (``ReduceOp.AVG``).
-        issued: (host seconds, device timing event) at the issue, for the trace.
+        watches: the group's observers' watches of it (runtime/observer.py).
     """
     exact = [t for t, q in zip(parts, is_quantized, strict=True) if not q]
     quantized = [t for t, q in zip(parts, is_quantized, strict=True) if q]
@@ -90,15 +89,15 @@ def issue_replica_all_reduce(
         nbytes += quantized_result.nbytes
     return ReplicaAllReduce(
         params, is_quantized, [t.numel() for t in exact], exact_flat, exact_work,
-        quantized_result, issued[0], issued[1], nbytes,
+        quantized_result, watches, nbytes,
     )  # fmt: skip
 
 
-def finish_replica_all_reduce(
-    pending: ReplicaAllReduce, record: Callable[[], None]
-) -> tuple[list[FSDPParam], torch.Tensor]:
-    """Wait for the replicate-axis reduction (then ``record`` it in the trace); the
-    params and their reduced chunks, one 1-D buffer in the params' order."""
+def finish_replica_all_reduce(pending: ReplicaAllReduce) -> tuple[list[FSDPParam], torch.Tensor]:
+    """Wait for the replicate-axis reduction (its watches see the wait); the params and
+    their reduced chunks, one 1-D buffer in the params' order."""
+    if pending.watches:
+        begin_wait(pending.watches)
     exact: list[torch.Tensor] = []
     if pending.exact_flat is not None:
         if pending.exact_work is not None:
@@ -107,7 +106,8 @@ def finish_replica_all_reduce(
     quantized: list[torch.Tensor] = []
     if pending.quantized is not None:
         quantized = finish_quantized_all_reduce(pending.quantized)
-    record()
+    if pending.watches:
+        end_wait(pending.watches, pending.nbytes, "backward")
     exact_iter, quantized_iter = iter(exact), iter(quantized)
     flat = torch.cat(
         [next(quantized_iter) if q else next(exact_iter) for q in pending.is_quantized]
