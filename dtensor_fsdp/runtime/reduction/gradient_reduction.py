@@ -13,7 +13,6 @@ Each job has its own module: grad_reduce_scatter.py (the issue), replica_reducti
 this class holds the ``set_*`` knobs and the order.
 """
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
