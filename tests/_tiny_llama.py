@@ -1,4 +1,4 @@
-"""The repo's Llama in the tiny shapes several tests share (tests/dist and tests/unit).
+"""The repo's Llama in the tiny shapes several tests share (init, plan).
 
 - ``uneven_config(tie)``: 2 blocks of dim 32 and a 97-row vocabulary, which is uneven
   over 2 ranks: the last shard of the embedding (and output) is padded.

@@ -456,7 +456,7 @@ def test_reduce_scatter_max_input_buffers_refuses_what_torch_refuses(
 # A sharded parameter replaced after fully_shard #
 #
 # torch's FSDP2 adopts a replacing nn.Parameter(DTensor) with the sharded param's layout
-# at lazy init, and so do we (tests/dist/test_replaced_param.py). What cannot be adopted
+# at lazy init, and so do we (tests/runtime/test_replaced_param.py). What cannot be adopted
 # torch fails on inside its padding code (an AttributeError or a RuntimeError), or, for
 # a tie made after fully_shard, accepts: it then all-gathers the tied values twice, with
 # a wrong result when the shard is padded. Ours refuses each with a ValueError at lazy

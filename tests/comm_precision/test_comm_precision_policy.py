@@ -3,7 +3,7 @@
 dtensor_fsdp only: torch has no quantized communication, so there is no torch behaviour
 to compare with; the policy follows ``MixedPrecisionPolicy``'s conventions (a frozen
 dataclass validated on construction), which the last tests check against torch's.
-The communication itself is tested in tests/dist/test_comm_precision.py.
+The communication itself is tested in tests/comm_precision/test_comm_precision.py.
 """
 
 import dataclasses

@@ -139,7 +139,7 @@ def test_shard_placement_fn_shards_the_chosen_dim(world_size: int, rank: int) ->
 
 
 # init_unsharded on the fake PG: collectives move no data, so these tests check what
-# init code sees and what stays materialized, not values (tests/dist/test_meta_init.py).
+# init code sees and what stays materialized, not values (tests/init/test_meta_init.py).
 
 WEIGHT_BYTES = 8 * 8 * 4  # each Linear(8, 8) weight, fp32
 

@@ -2,7 +2,7 @@
 count as complete checkpoints, pruning, and clear errors for partial or corrupted ones.
 
 The distributed paths (sharded models, resharding on load) are in
-``tests/dist/test_state_dict.py``; killed saves and restarts in ``tests/dist/test_faults.py``.
+``tests/io/test_state_dict.py``; killed saves and restarts in ``tests/observe/test_faults.py``.
 """
 
 import json

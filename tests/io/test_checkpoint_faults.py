@@ -4,7 +4,7 @@ and leaves the complete checkpoints as they were, and a load that fails midway l
 the model and optimizer bitwise unchanged.
 
 The same paths on 2 gloo ranks, where a failure on one rank must reach the other, are
-in ``tests/dist/test_checkpoint_agreement.py``.
+in ``tests/io/test_checkpoint_agreement.py``.
 """
 
 import json

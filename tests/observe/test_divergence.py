@@ -3,7 +3,7 @@ ours with the checks off) abort with SIGABRT or spread NaNs silently; ours with
 ``set_divergence_check`` / ``set_nonfinite_grad_check`` raises the same clear error on
 every rank within seconds, before the diverging collective.
 
-Each launch runs ``tests/dist/_divergence_job.py`` on 2 ranks, killed past a deadline.
+Each launch runs ``tests/observe/_divergence_job.py`` on 2 ranks, killed past a deadline.
 """
 
 import json

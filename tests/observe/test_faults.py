@@ -1,7 +1,7 @@
 """Faults under ``torchrun``: a rank that raises, a rank killed after a checkpoint, and a
 checkpoint whose save was interrupted.
 
-Each case launches ``tests/dist/_resumable_job.py`` on 2 local ranks with
+Each case launches ``tests/observe/_resumable_job.py`` on 2 local ranks with
 ``tests/_torchrun.py`` (loopback rendezvous on a free port, killed with all its workers
 past the deadline). Verdicts rest on rank 0's results file and the launcher's output, not on
 worker exit codes alone (gloo may abort at exit after the work is done).

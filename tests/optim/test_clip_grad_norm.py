@@ -2,7 +2,7 @@
 ``torch.nn.utils.clip_grad_norm_``, errors, and on torch's ``fake`` process group
 (collectives return their input) which ranks count which grad and over which group the
 one all-reduce runs ([Note: sharded grad norm]). Real multi-rank parity with torch's
-function: tests/dist/test_clip_grad_norm.py.
+function: tests/optim/test_clip_grad_norm_gloo.py.
 """
 
 import math

@@ -8,7 +8,7 @@ clipped local grads (scaled by coefficients that differ as the norms do), the re
 types, and the collectives each issued, counted at the c10d level (ours: exactly one
 all-reduce of one fp32 scalar per mesh). A single-process model on the global batch
 gives the reference norm (to 1e-5: its grads differ from the ranks' by reduction-order
-rounding, see tests/dist/_parity.py, [Note: parity tolerances], item 2).
+rounding, see tests/_parity.py, [Note: parity tolerances], item 2).
 
 Layouts: FSDP (W=2, and W=4 with empty local shards), HSDP on a 2 x 2 (replicate,
 shard) mesh, whose all-reduce must leave the replicate axis out, and FSDP + TP on a

@@ -2,7 +2,7 @@
 errors; owner assignment and the all-to-all plan; ``split_muon_params``.
 
 Multi-rank behaviour (the owner exchange, checkpoints, torch's ``fully_shard``) is in
-tests/dist/test_muon.py.
+tests/optim/test_muon_gloo.py.
 """
 
 import dataclasses

@@ -2,7 +2,7 @@
 rank, the backend of torch's own FSDP2 CPU unit tests): its ``all_to_all_single`` with
 uneven split sizes carries the owner exchange as gloo's does.
 
-Apart from tests/dist/test_muon.py so that its spawned ranks do not import torch's
+Apart from tests/optim/test_muon_gloo.py so that its spawned ranks do not import torch's
 distributed test framework. Threads share the global RNG, so the model comes from a
 generator.
 """

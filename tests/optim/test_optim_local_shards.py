@@ -7,7 +7,7 @@ optimizer state: torch's ``fully_shard`` + ``torch.optim`` (the reference), ours
 ``torch.optim`` on the DTensors, and ours + the local-shard step. Fake rank 2 holds
 uneven shards (2 of 6 rows, 1 of 3); fake rank 3 holds empty ones. The multi-rank
 training parity (losses, checkpoints, GradScaler, CPU offload) is in
-tests/dist/test_optim_local_shards.py.
+tests/optim/test_optim_local_shards_gloo.py.
 """
 
 import inspect

@@ -3,7 +3,7 @@
 Three runs per scenario, same seed and data, ``STEPS`` steps: torch's ``fully_shard``
 + ``torch.optim`` (the reference), ours + ``torch.optim`` on the DTensors, and ours +
 the local-shard step. At W=2 every reduction adds two terms, so the three must agree
-bitwise: per-step losses and the final local shards (tests/dist/_parity.py, [Note:
+bitwise: per-step losses and the final local shards (tests/_parity.py, [Note:
 parity tolerances], item 1). A single-process model stepped by the same optimizer
 with the ranks' ``full_tensor()`` grads must end bitwise equal too: an element-wise
 update computes each element the same way on a shard as on the whole tensor.

@@ -3,7 +3,7 @@ optimizer state tensor on the host, as torch's FSDP2 does. (Issue: on an H200 ea
 sharded param was a device copy that ``DTensor.from_local`` made of its host shard, not
 a view of the host sharded buffer, and lazy init refused every group.)
 
-`offload_records` makes the same model (tests/dist/_mlp.py: two blocks and a root with
+`offload_records` makes the same model (tests/_mlp.py: two blocks and a root with
 its own Linear) with ours and with torch's ``fully_shard`` and ``CPUOffloadPolicy``, in
 each way a sharded model is made: eager, from a module already on the device, and on
 meta followed by ``to_empty(device="cpu")`` and ``reset_parameters`` (for ours also

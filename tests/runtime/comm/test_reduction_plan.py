@@ -3,7 +3,7 @@ that serves their device: the decisions that need NCCL, on torch's fake group.
 
 No NCCL here (CPU build, no GPU), so the fake group's backend class stands in for
 ``ProcessGroupNCCL``; the branches themselves run on gloo and on torch's threaded group
-in ``tests/dist/test_backends.py`` and ``tests/dist/test_threaded_pg.py``.
+in ``tests/runtime/comm/test_backends.py`` and ``tests/runtime/scenarios/test_threaded_pg.py``.
 """
 
 import pytest

@@ -5,7 +5,7 @@ returning torch's ``ShardPlacementResult``), on 4 gloo ranks, against torch's
 The model is three blocks of a dense part and a grouped "experts" weight (E, D, D),
 as torchtitan's MoE blocks have: the experts go to an expert mesh's ``efsdp`` axis
 (2 ranks), the rest to the 4-rank ``dp`` mesh. Tokens are not dispatched (that is
-tests/dist/test_moe.py's job): this file checks FSDP's part, which both libraries
+tests/integrations/test_moe.py's job): this file checks FSDP's part, which both libraries
 compute the same way, so every step of every scenario must agree with torch:
 
 - the collectives at the c10d level, in issue order: kind, process group, bytes

@@ -29,7 +29,7 @@ STEPS = 3
 
 
 def _mlp() -> nn.Sequential:
-    """tests/dist/_mlp.py's MLP, initialized from a generator, not the global RNG."""
+    """tests/_mlp.py's MLP, initialized from a generator, not the global RNG."""
     model = nn.Sequential(
         nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)
     )

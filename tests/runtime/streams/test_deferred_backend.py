@@ -1,6 +1,6 @@
 """The deferred-execution stream backend (tests/_deferred_streams.py) on its own: each
 hazard it models shows up without the wait that orders it, and only the right wait
-removes it. tests/dist/test_streams.py runs FSDP's scheduling code through it."""
+removes it. tests/runtime/streams/test_streams.py runs FSDP's scheduling code through it."""
 
 import gc
 
