@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dtensor_fsdp import CommTrace, MixedPrecisionPolicy, fully_shard
+from tests._c10d import ReduceScatterInputs
 from tests._harness import run_distributed, run_scenarios, scenario_records
 
 
@@ -198,35 +199,9 @@ def test_growth_check_catches_a_leak(record: dict[str, Any]) -> None:
 # the c10d level: at each reduce-scatter issued (ours on gloo: an all-to-all), the
 # inputs of this step's reduce-scatters whose storage is still alive.
 
-# c10d op -> index of the argument that is the reduce-scatter's input
-_REDUCE_OPS = {
-    "alltoall_base_": 1,
-    "_reduce_scatter_base_": 1,
-    "reduce_scatter_tensor_coalesced_": 1,
-}
 # Steps measured: the least count over them is read (see `_in_flight`); a CI run under
 # load once saw gloo's worker hold a finished reduce-scatter's input through all of 3.
 _IN_FLIGHT_STEPS = 8
-
-
-class _ReduceInputs(TorchDispatchMode):
-    """Peak count and bytes of live reduce-scatter inputs, read at each issue."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inputs: list[tuple[weakref.ref, int]] = []
-        self.peak_count = self.peak_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        index = _REDUCE_OPS.get(func._opname) if func.namespace == "c10d" else None
-        if index is not None:
-            for tensor in args[index] if isinstance(args[index], list) else [args[index]]:
-                storage = tensor.untyped_storage()
-                self.inputs.append((weakref.ref(storage), storage.nbytes()))
-            live = [nbytes for ref, nbytes in self.inputs if ref() is not None]
-            self.peak_count = max(self.peak_count, len(live))
-            self.peak_bytes = max(self.peak_bytes, sum(live))
-        return func(*args, **(kwargs or {}))
 
 
 def _in_flight_model(mesh: Any, shard: Any) -> nn.Sequential:
@@ -263,7 +238,7 @@ def _in_flight(mesh: Any, shard: Any, setting: str) -> dict[str, Any]:
     counts, nbytes = [], []
     for _ in range(_IN_FLIGHT_STEPS):
         model.zero_grad()
-        with _ReduceInputs() as inputs:
+        with ReduceScatterInputs() as inputs:
             model(batch).pow(2).sum().backward()
         counts.append(inputs.peak_count)
         nbytes.append(inputs.peak_bytes)
