@@ -14,7 +14,7 @@ on torch's ``fully_shard`` and on ours, 2 gloo ranks.
   were copied into the registered parameter in place, bitwise.
 
 The refusals (a plain Parameter, another layout, a tie made after fully_shard) are in
-tests/api/test_errors.py.
+tests/runtime/test_replaced_param_errors.py.
 """
 
 import importlib

@@ -16,7 +16,7 @@ ours, 2 gloo ranks, the 3-group MLP of test_comm.py:
   what torch's sees: the averaged gradients, or with
   ``set_force_sum_reduction_for_comms(True)`` the sums (divided after the hook).
 
-The refusals are in tests/api/test_errors.py; the hook's stream on an accelerator in
+The refusals are in tests/runtime/comm/test_setter_errors.py; the hook's stream on an accelerator in
 tests/runtime/streams/test_streams.py.
 """
 
