@@ -23,7 +23,7 @@ kept (torch's default). This process plans (``auto_shard`` needs no process grou
 1. measures the auto groups' peak of live bytes with MemTracker in step 2 (the model
    alone, as the plan simulates it) and checks it against the budget;
 2. counts each variant's collectives in one step (ours' ``CommTrace``, whose counts
-   ``tests/dist/test_plan.py`` checks equal to the c10d level's);
+   ``tests/plan/test_plan_gloo.py`` checks equal to the c10d level's);
 3. times both variants in interleaved rounds (the order alternating), one step each,
    every step timed on its slowest rank; the median over the rounds after the warm-up
    (30 rounds for ``blocks``, 100 for the Llamas, whose difference is smaller).
@@ -281,7 +281,7 @@ def _step(case: Case, model: Any, optimizer: torch.optim.Optimizer, batch: Any) 
 
 
 def _peak(case: Case, built: tuple[Any, torch.optim.Optimizer], batch: Any) -> int:
-    """Step 2's peak of live bytes, the model alone (as ``tests/dist/test_plan.py``)."""
+    """Step 2's peak of live bytes, the model alone (as ``tests/plan/test_plan_gloo.py``)."""
     model, optimizer = built
     with MemTracker() as tracker:
         for _ in range(2):

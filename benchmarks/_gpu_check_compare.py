@@ -1,6 +1,6 @@
 """How two training records are compared, and with which tolerance.
 
-The tolerances are those of ``tests/dist/_parity.py`` ([Note: parity tolerances]):
+The tolerances are those of ``tests/_parity.py`` ([Note: parity tolerances]):
 
 1. Ours against torch's ``fully_shard`` on the same setting: bitwise wherever both run
    the same arithmetic: the same local kernels on the same shards, the same reductions

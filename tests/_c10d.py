@@ -31,6 +31,7 @@ namespaces missing from it is recorded as ``("other", bytes of its first argumen
 so that a new one is seen, not dropped. ``wait_tensor`` is not a collective.
 """
 
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -171,3 +172,36 @@ def count_of(records: list[tuple[str, int]], kind: str) -> int:
     """How many ``kind`` collectives ``records`` holds."""
     assert kind in KINDS, kind
     return sum(1 for k, _ in records if k == kind)
+
+
+class ReduceScatterInputs(TorchDispatchMode):
+    """The reduce-scatter inputs alive at each reduce-scatter issued (the one issued
+    included): the reductions in flight, as either library sees them, counted by weak
+    references to the input storages (each group's gradients copied into one (W, shard)
+    buffer, held until the reduction is waited). On gloo ours reduce-scatters with an
+    all-to-all."""
+
+    # c10d op -> index of the argument that is the reduce-scatter's input
+    OPS: ClassVar[dict[str, int]] = {
+        "alltoall_base_": 1,
+        "_reduce_scatter_base_": 1,
+        "reduce_scatter_tensor_coalesced_": 1,
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: list[tuple[weakref.ref, int]] = []
+        self.alive: list[int] = []  # per issue, the inputs alive
+        self.peak_count = self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        index = self.OPS.get(func._opname) if func.namespace == "c10d" else None
+        if index is not None:
+            for tensor in args[index] if isinstance(args[index], list) else [args[index]]:
+                storage = tensor.untyped_storage()
+                self.inputs.append((weakref.ref(storage), storage.nbytes()))
+            live = [nbytes for ref, nbytes in self.inputs if ref() is not None]
+            self.alive.append(len(live))
+            self.peak_count = max(self.peak_count, len(live))
+            self.peak_bytes = max(self.peak_bytes, sum(live))
+        return func(*args, **(kwargs or {}))

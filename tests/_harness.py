@@ -312,8 +312,8 @@ def fake_mesh(world_size: int, rank: int = 0) -> Iterator[DeviceMesh]:
 
 # ---------------------------------------------------------------------------
 # torch's own FSDP test helpers, for the scenarios ported from torch's suite
-# (tests/dist/test_scenarios_*.py) and torch's threaded process group
-# (tests/dist/test_threaded_pg.py)
+# (tests/runtime/scenarios/) and torch's threaded process group
+# (tests/runtime/scenarios/test_threaded_pg.py)
 # ---------------------------------------------------------------------------
 
 # Imported on first use (PEP 562): common_fsdp pulls in torch's whole distributed test

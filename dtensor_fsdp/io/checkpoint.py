@@ -43,7 +43,7 @@ original exception on the rank that raised it. DCP's own collectives (``dcp.save
 ``dcp.load``) already gather every rank's failure; theirs become the same kind of
 ``CheckpointError`` (``_dcp``). So no rank is left waiting in a collective for a rank
 that raised: the failure reaches every rank as soon as the failing step ends (3 to
-50 ms from the call on 2 gloo ranks; tests/dist/test_checkpoint_agreement.py). A rank
+50 ms from the call on 2 gloo ranks; tests/io/test_checkpoint_agreement.py). A rank
 that *dies* (killed, out of memory) is not caught here: the others wait in their next
 collective until the process group's timeout, or until the launcher stops them.
 

@@ -9,7 +9,7 @@ grows by the same amount per block: sharded bytes, collectives, FLOPs, and the p
 blocks, once ``k`` is past the stack's ends: the peak falls in the backward of the
 second-to-last block, with the last one's gradients in flight, so the first two and
 the last two blocks differ from the rest and ``k >= 3`` (measured: the increment is
-constant from 3 blocks on). ``tests/unit/test_plan.py`` checks it against a whole
+constant from 3 blocks on). ``tests/plan/test_plan.py`` checks it against a whole
 simulation.
 """
 
