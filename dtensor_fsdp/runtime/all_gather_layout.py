@@ -1,12 +1,20 @@
-"""AllGatherLayout: how one group's all-gather lays out its parameters; the records of
-an all-gather in flight and of hpZ's post-forward shard.
+"""A group's sharded buffer and `AllGatherLayout`, how its all-gather lays out the
+parameters; the records of an all-gather in flight and of hpZ's post-forward shard.
+
+[Note: sharded buffer]
+Every parameter's padded shard lives in ONE contiguous uint8 buffer per group, and the
+sharded param's local tensor is a view into it. That buffer *is* the all-gather input:
+the all-gather reads it in place, so the per-step copy-in that torch's FSDP2 does (every
+shard into a fresh all-gather buffer) disappears. The optimizer updates the views in
+place, which keeps them valid. Parameters are laid out by element size, largest first,
+so each segment's byte offset is a multiple of its dtype's size and ``view(dtype)``
+works without alignment padding; a group may mix dtypes.
 
 The all-gather carries each plain param's padded shard in param_dtype, then each
 extension's inputs, as bytes. Without a cast or an extension it reads the sharded buffer
-in place and this order is the buffer's (see [Note: sharded buffer] in param_group.py);
-otherwise a copy-in builds the all-gather input in this order (largest param_dtype first
-again, so the cast writes aligned views). With ``CommPrecisionPolicy.all_gather`` the
-selected params travel encoded, at the end.
+in place and this order is the buffer's; otherwise a copy-in builds the all-gather input
+in this order (largest param_dtype first again, so the cast writes aligned views). With
+``CommPrecisionPolicy.all_gather`` the selected params travel encoded, at the end.
 
 A layout is immutable: `FSDPParamGroup` builds a new one whenever what it describes
 changes (the sharded buffer or a parameter's dtype in ``reset_sharded_params``, the
@@ -19,11 +27,41 @@ from dataclasses import dataclass
 
 import torch
 
-from ..api import CommPrecisionPolicy
+from ..api import CommPrecisionPolicy, MixedPrecisionPolicy
 from ..comm_precision.wire_format import WireLayout, decode
 from .collectives import AllGatherResult, copy_in, copy_out
+from .extension import has_all_gather_extension
 from .mesh import MeshInfo
-from .param import FSDPParam
+from .param import FSDPParam, ParamToShard
+from .tensor_utils import ShardGeometry
+
+
+def shard_params(
+    params: list[ParamToShard],
+    mesh_info: MeshInfo,
+    device: torch.device,
+    pin: bool,
+    mp_policy: MixedPrecisionPolicy,
+) -> tuple[torch.Tensor, list[FSDPParam]]:
+    """Shard ``params`` into a new sharded buffer on ``device`` (pinned if ``pin``).
+    Returns the buffer (1-D uint8) and the FSDPParams whose shards it holds, in its
+    order."""
+    world_size, rank = mesh_info.shard_size, mesh_info.shard_rank
+    ordered = sorted(params, key=lambda p: -p.data.dtype.itemsize)  # [Note: sharded buffer]
+    # A parameter with an all-gather extension keeps its own subclass tensor.
+    sizes = [
+        0
+        if has_all_gather_extension(p.data)
+        else ShardGeometry(p.data.shape, p.shard_dim, world_size, rank).padded_shard_numel
+        * p.data.dtype.itemsize
+        for p in ordered
+    ]
+    sharded_buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin)
+    segments = sharded_buffer.split(sizes)  # each (sharded_buffer_nbytes,)
+    return sharded_buffer, [
+        FSDPParam(source, mesh_info, segment, mp_policy)
+        for source, segment in zip(ordered, segments, strict=True)
+    ]
 
 
 @dataclass(frozen=True)

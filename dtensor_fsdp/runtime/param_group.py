@@ -1,14 +1,5 @@
 """FSDPParamGroup: one ``fully_shard`` call's parameters and their lifecycle verbs.
 
-[Note: sharded buffer]
-Every parameter's padded shard lives in ONE contiguous uint8 buffer per group, and the
-sharded param's local tensor is a view into it. That buffer *is* the all-gather input:
-the all-gather reads it in place, so the per-step copy-in that torch's FSDP2 does (every
-shard into a fresh all-gather buffer) disappears. The optimizer updates the views in
-place, which keeps them valid. Parameters are laid out by element size, largest first,
-so each segment's byte offset is a multiple of its dtype's size and ``view(dtype)``
-works without alignment padding; a group may mix dtypes.
-
 [Note: re-deriving the sharded state]
 ``nn.Module._apply`` (``to_empty``, ``to(dtype)``, ``half()``, ``cuda()``...) and
 ``param.data = ...`` give sharded params new local tensors outside the sharded buffer;
@@ -40,21 +31,20 @@ from .all_gather_layout import (
     AllGatherLayout,
     AllGatherSource,
     PostForwardShard,
+    shard_params,
 )
 from .collectives import all_gather
-from .extension import has_all_gather_extension
 from .mesh import MeshInfo
 from .param import FSDPParam, ParamToShard, ShardedState
 from .param_reset import (
     adopt_replacement,
+    check_materialized,
     check_replacement,
-    reset_buffer_nbytes,
-    reset_sharded_param,
+    rederive_sharded_buffer,
 )
 from .reduction.gradient_reduction import GradientReduction
 from .scheduler import CommContext
 from .streams import CommStreams, StreamRole
-from .tensor_utils import ShardGeometry
 
 
 def is_in_backward() -> bool:
@@ -111,11 +101,10 @@ class FSDPParamGroup:
         self.requires_gradient_sync = True
         self.device = device
         self.offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
-        sharded_buffer, self.fsdp_params = self._shard(
-            params, self._sharded_device(device), mp_policy
+        sharded_buffer, self.fsdp_params = shard_params(
+            params, mesh_info, self._sharded_device(device), self._pins_sharded_buffer(), mp_policy
         )
-        # Replaced, never changed, where what it describes changes: `set_comm_precision`
-        # and `reset_sharded_params`.
+        # Rebuilt, never mutated, by `set_comm_precision` and `reset_sharded_params`.
         self.all_gather_layout = AllGatherLayout.build(self.fsdp_params, None, sharded_buffer)
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
@@ -148,39 +137,23 @@ class FSDPParamGroup:
 
     # Initialization #
 
-    def _shard(
-        self, params: list[ParamToShard], device: torch.device, mp_policy: MixedPrecisionPolicy
-    ) -> tuple[torch.Tensor, list[FSDPParam]]:
-        """The new sharded buffer (1-D uint8) and the FSDPParams whose shards it holds."""
-        world_size = self.mesh_info.shard_size
-        # See [Note: sharded buffer] for why the layout is sorted by element size.
-        layout = sorted(params, key=lambda p: -p.data.dtype.itemsize)
-        rank = self.mesh_info.shard_rank
-        # A parameter with an all-gather extension keeps its own subclass tensor.
-        sizes = [
-            0
-            if has_all_gather_extension(p.data)
-            else ShardGeometry(p.data.shape, p.shard_dim, world_size, rank).padded_shard_numel
-            * p.data.dtype.itemsize
-            for p in layout
-        ]
-        # Pinned host memory lets the offload copies run asynchronously; pinning needs
-        # an accelerator, so a CPU mesh just uses ordinary memory.
-        pin = (
+    def _sharded_device(self, device: torch.device) -> torch.device:
+        if self.offload is None or device.type == "meta":
+            return device
+        return torch.device("cpu")
+
+    def _pins_sharded_buffer(self) -> bool:
+        """Pinned host memory lets the offload copies run asynchronously; pinning needs
+        an accelerator, so a CPU mesh just uses ordinary memory."""
+        return (
             self.offload is not None
             and self.offload.pin_memory
             and self.device.type not in ("cpu", "meta")
         )
-        sharded_buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin)
-        segments = sharded_buffer.split(sizes)  # each (sharded_buffer_nbytes,)
-        return sharded_buffer, [
-            FSDPParam(source, self.mesh_info, segment, mp_policy)
-            for source, segment in zip(layout, segments, strict=True)
-        ]
 
     @property
     def sharded_buffer(self) -> torch.Tensor:
-        """The group's sharded buffer: see [Note: sharded buffer]."""
+        """The group's sharded buffer: see [Note: sharded buffer] (all_gather_layout.py)."""
         return self.all_gather_layout.sharded_buffer
 
     def set_comm_precision(self, policy: CommPrecisionPolicy | None) -> None:
@@ -206,11 +179,6 @@ class FSDPParamGroup:
             self.fsdp_params, policy, self.sharded_buffer
         )
 
-    def _sharded_device(self, device: torch.device) -> torch.device:
-        if self.offload is None or device.type == "meta":
-            return device
-        return torch.device("cpu")
-
     def to_sharded_modules(self) -> None:
         """The one mutation of ``fully_shard``: register the sharded params."""
         for fsdp_param in self.fsdp_params:
@@ -221,25 +189,7 @@ class FSDPParamGroup:
         happened to the sharded params since ``fully_shard``, and refuse to train on
         params that cannot be (the same checks, types and wording as torch's)."""
         self.reset_sharded_params()
-        on_meta = [p.fqn for p in self.fsdp_params if p.registered_local().is_meta]
-        if on_meta:
-            raise RuntimeError(
-                "FSDP parameters should be materialized from meta device before training, "
-                f"but the following were still on meta device: {on_meta}. Call "
-                "module.to_empty(device=...) on the root, then initialize the values (e.g. "
-                "inside dtensor_fsdp.init_unsharded(model), or reset_parameters())"
-            )
-        not_on_cpu = [
-            (p.fqn, p.registered_local().device)
-            for p in self.fsdp_params
-            if self.offload is not None and p.registered_local().device.type != "cpu"
-        ]
-        if not_on_cpu:
-            raise RuntimeError(
-                "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
-                'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
-                f"Found following parameters on non-CPU device: {not_on_cpu}"
-            )
+        check_materialized(self.fsdp_params, offload=self.offload is not None)
         self.ctx = ctx
 
     def reset_sharded_params(self) -> bool:
@@ -269,14 +219,10 @@ class FSDPParamGroup:
             return False  # lazy init refuses it, as torch does
         if self.device.type == "meta":
             self.device = self.mesh_info.device
-        # See [Note: sharded buffer] for the order; sorted in place, since the reduction
-        # holds this same list.
-        self.fsdp_params.sort(key=lambda p: -p.registered_local().dtype.itemsize)
-        sizes = [reset_buffer_nbytes(p) for p in self.fsdp_params]
-        pin = self.offload is not None and self.offload.pin_memory and self.device.type != "cpu"
-        sharded_buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin)
-        for fsdp_param, segment in zip(self.fsdp_params, sharded_buffer.split(sizes), strict=True):
-            reset_sharded_param(fsdp_param, segment)
+        # Sorted in place, since the reduction holds this same list.
+        sharded_buffer = rederive_sharded_buffer(
+            self.fsdp_params, device, self._pins_sharded_buffer()
+        )
         self.all_gather_layout = AllGatherLayout.build(
             self.fsdp_params, self.all_gather_layout.comm_precision, sharded_buffer
         )
