@@ -43,7 +43,7 @@ everything restored (it calls the model, ``zero_grad`` and backward, which must 
 DTensors), then the new grads are mapped again. Step hooks registered on the optimizer
 run inside the wrapper, so they see the aliases, as the update does.
 
-Why per-parameter local tensors and not the group's flat sharded buffer (param_group.py,
+Why per-parameter local tensors and not the group's flat sharded buffer (all_gather_layout.py,
 [Note: sharded buffer]): see benchmarks/README.md for the measurement (the flat step is
 not faster enough to pay for it on the CPU here: the update is memory-bound once
 DTensor is gone). A flat step also needs the grads and every state tensor as views of

@@ -24,6 +24,7 @@ names two backends.
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -146,7 +147,7 @@ class AllGatherInput:
 
 def copy_in(
     plain_shards: list[torch.Tensor],
-    plain_dtypes: list[torch.dtype],
+    plain_dtypes: Sequence[torch.dtype],
     extension_inputs: list[torch.Tensor],
     wire: WireLayout | None,
     wire_segments: list[torch.Tensor],
@@ -194,7 +195,7 @@ def copy_in(
 
 def copy_out(
     rows: torch.Tensor,
-    split_nbytes: list[int],
+    split_nbytes: Sequence[int],
     outputs: list[torch.Tensor],
 ) -> None:
     """Scatter the rank-major all-gather output into each parameter's padded buffer.

@@ -1,14 +1,5 @@
 """FSDPParamGroup: one ``fully_shard`` call's parameters and their lifecycle verbs.
 
-[Note: sharded buffer]
-Every parameter's padded shard lives in ONE contiguous uint8 buffer per group, and the
-sharded param's local tensor is a view into it. That buffer *is* the all-gather input:
-the all-gather reads it in place, so the per-step copy-in that torch's FSDP2 does (every
-shard into a fresh all-gather buffer) disappears. The optimizer updates the views in
-place, which keeps them valid. Parameters are laid out by element size, largest first,
-so each segment's byte offset is a multiple of its dtype's size and ``view(dtype)``
-works without alignment padding; a group may mix dtypes.
-
 [Note: re-deriving the sharded state]
 ``nn.Module._apply`` (``to_empty``, ``to(dtype)``, ``half()``, ``cuda()``...) and
 ``param.data = ...`` give sharded params new local tensors outside the sharded buffer;
@@ -21,7 +12,6 @@ over several modules is only complete after the last one's ``_apply``), at lazy 
 and before an all-gather that finds a replaced local tensor.
 """
 
-from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
@@ -34,14 +24,14 @@ from ..api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
-from ..comm_precision.wire_format import WireLayout, decode
-from .collectives import (
-    AllGatherResult,
-    all_gather,
-    copy_in,
-    copy_out,
+from .all_gather_layout import (
+    AllGatherInFlight,
+    AllGatherLayout,
+    AllGatherSource,
+    PostForwardShard,
+    shard_params,
 )
-from .extension import has_all_gather_extension
+from .collectives import all_gather
 from .mesh import MeshInfo
 from .observer import (
     Collective,
@@ -56,27 +46,13 @@ from .observer import (
 from .param import FSDPParam, ParamToShard, ShardedState
 from .param_reset import (
     adopt_replacement,
+    check_materialized,
     check_replacement,
-    reset_buffer_nbytes,
-    reset_sharded_param,
+    rederive_sharded_buffer,
 )
 from .reduction.gradient_reduction import GradientReduction
 from .scheduler import CommContext
 from .streams import CommStreams, StreamRole
-from .tensor_utils import ShardGeometry
-
-
-@dataclass(frozen=True)
-class AllGatherSource:
-    """What an unshard all-gathers: the sharded buffer over the shard mesh, or after an
-    hpZ reshard the post-forward buffer over the smaller post-forward mesh."""
-
-    input: torch.Tensor  # 1-D uint8
-    mesh_info: MeshInfo
-    split_nbytes: list[int]  # bytes per rank of each exactly copied column
-    # CommPrecisionPolicy.all_gather: the quantized params' encoded shards, after the
-    # exact columns in each rank's bytes.
-    wire: WireLayout | None = None
 
 
 def is_in_backward() -> bool:
@@ -133,9 +109,11 @@ class FSDPParamGroup:
         self.requires_gradient_sync = True
         self.device = device
         self.offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
-        self.fsdp_params = self._shard(params, self._sharded_device(device), mp_policy)
-        self.comm_precision: CommPrecisionPolicy | None = None  # set_comm_precision
-        self._init_all_gather_layout()
+        sharded_buffer, self.fsdp_params = shard_params(
+            params, mesh_info, self._sharded_device(device), self._pins_sharded_buffer(), mp_policy
+        )
+        # Rebuilt, never mutated, by `set_comm_precision` and `reset_sharded_params`.
+        self.all_gather_layout = AllGatherLayout.build(self.fsdp_params, None, sharded_buffer)
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         # FSDPModule.set_* knobs (torch's names); the reduction has its own.
@@ -152,20 +130,9 @@ class FSDPParamGroup:
         # tuple is what the runtime tests and calls, empty when nothing is attached.
         self._observer_slots: dict[str, CommObserver] = {}
         self.observers: Observers = ()
-        self._all_gather: AllGatherResult | None = None  # issued, not yet copied out
-        self._all_gather_source: AllGatherSource | None = None  # what it gathers
-        self._all_gather_watches: Watches = ()  # the observers' watches of it
-        # Recorded on the all-gather's stream right after it: the copy-out waits for it.
-        self._all_gather_event: object | None = None
-        # Whether the in-flight all-gather was issued by an async unshard (a prefetch):
-        # its copy-out releases the output at once, not at the next copy-out.
-        self._all_gather_async = False
-        # hpZ on an accelerator: the post-forward buffer is written on the compute
-        # stream; the backward all-gather's stream waits for this event before reading.
-        self._post_forward_event: object | None = None
-        # hpZ: this rank's 1/k of the padded unsharded params, kept between forward and
-        # backward; None when the group is fully sharded or unsharded.
-        self._post_forward_buffer: torch.Tensor | None = None
+        self._in_flight: AllGatherInFlight | None = None  # issued, not yet copied out
+        # hpZ between forward and backward; None when fully sharded or unsharded.
+        self._post_forward: PostForwardShard | None = None
         self._forwarded_modules: set[int] = set()  # ids of modules whose forward ran
         # Each param's `sharded_version` when the unsharded params (or hpZ's post-forward
         # buffer) were last all-gathered from the sharded ones; see `_reshard_if_stale`.
@@ -176,96 +143,24 @@ class FSDPParamGroup:
 
     # Initialization #
 
-    def _shard(
-        self, params: list[ParamToShard], device: torch.device, mp_policy: MixedPrecisionPolicy
-    ) -> list[FSDPParam]:
-        world_size = self.mesh_info.shard_size
-        # See [Note: sharded buffer] for why the layout is sorted by element size.
-        layout = sorted(params, key=lambda p: -p.data.dtype.itemsize)
-        rank = self.mesh_info.shard_rank
-        # A parameter with an all-gather extension keeps its own subclass tensor.
-        sizes = [
-            0
-            if has_all_gather_extension(p.data)
-            else ShardGeometry(p.data.shape, p.shard_dim, world_size, rank).padded_shard_numel
-            * p.data.dtype.itemsize
-            for p in layout
-        ]
-        # Pinned host memory lets the offload copies run asynchronously; pinning needs
-        # an accelerator, so a CPU mesh just uses ordinary memory.
-        pin = (
+    def _sharded_device(self, device: torch.device) -> torch.device:
+        if self.offload is None or device.type == "meta":
+            return device
+        return torch.device("cpu")
+
+    def _pins_sharded_buffer(self) -> bool:
+        """Pinned host memory lets the offload copies run asynchronously; pinning needs
+        an accelerator, so a CPU mesh just uses ordinary memory."""
+        return (
             self.offload is not None
             and self.offload.pin_memory
             and self.device.type not in ("cpu", "meta")
         )
-        self.sharded_buffer = torch.empty(
-            sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin
-        )
-        segments = self.sharded_buffer.split(sizes)  # each (sharded_buffer_nbytes,)
-        return [
-            FSDPParam(source, self.mesh_info, segment, mp_policy)
-            for source, segment in zip(layout, segments, strict=True)
-        ]
 
-    def _init_all_gather_layout(self) -> None:
-        # The all-gather carries each plain param's padded shard in param_dtype, then each
-        # extension's inputs, as bytes. Without a cast or an extension it reads the
-        # sharded buffer in place and this order is the buffer's; otherwise a copy-in
-        # builds the all-gather input in this order (largest param_dtype first again, so
-        # the cast writes aligned views).
-        # CommPrecisionPolicy.all_gather: the selected params travel encoded, at the end.
-        self._version_tracked_cache: tuple[torch.Tensor, ...] | None = None
-        self._padded_shards_cache: dict[FSDPParam, torch.Tensor] | None = None
-        # Only these have anything to do after the copy-out (`FSDPParam.finish_copy_out`).
-        self._finishes_copy_out = [
-            p for p in self.fsdp_params if p.extension is not None or p.geometry.dim != 0
-        ]
-        plain = [p for p in self.fsdp_params if p.extension is None]
-        quantized = [p for p in plain if self._quantizes_all_gather(p)]
-        self._quantized_all_gather_order = quantized
-        self._plain_all_gather_order = sorted(
-            (p for p in plain if p not in quantized), key=lambda p: -p.param_dtype.itemsize
-        )
-        self._plain_all_gather_split = [p.all_gather_nbytes for p in self._plain_all_gather_order]
-        self._plain_all_gather_dtypes = [p.param_dtype for p in self._plain_all_gather_order]
-        # Exactly copied columns of a full all-gather, in order.
-        self._all_gather_order = self._plain_all_gather_order + [
-            p for p in self.fsdp_params if p.extension is not None
-        ]
-        self._all_gather_wire = (
-            WireLayout(
-                self.comm_precision.all_gather,
-                self.comm_precision.block_size,
-                tuple(p.padded_shard_numel for p in quantized),
-            )
-            if quantized and self.comm_precision is not None
-            else None
-        )
-        # hpZ re-gathers the post-forward buffer exactly: every plain param (no extension
-        # there: fully_shard refuses it), quantized or not, as unsharded bytes.
-        self._post_forward_order = self._plain_all_gather_order + quantized
-        self._casts_on_all_gather = any(p.param_dtype != p.dtype for p in plain)
-        # Mixed precision's usual case, one dtype cast to one param_dtype and nothing
-        # else: the all-gather input is the whole sharded buffer cast in one op (its
-        # order is then the all-gather order; padding casts to zeros).
-        self._casts_whole_buffer = (
-            self._casts_on_all_gather
-            and len(plain) == len(self.fsdp_params)
-            and not quantized
-            and len({(p.dtype, p.param_dtype) for p in plain}) == 1
-        )
-        self._copies_in = (
-            self._casts_on_all_gather or len(plain) < len(self.fsdp_params) or bool(quantized)
-        )
-
-    def _quantizes_all_gather(self, fsdp_param: FSDPParam) -> bool:
-        policy = self.comm_precision
-        return (
-            policy is not None
-            and policy.all_gather is not None
-            and fsdp_param.param_dtype.is_floating_point
-            and policy.param_filter(fsdp_param.fqn, fsdp_param.sharded_param)
-        )
+    @property
+    def sharded_buffer(self) -> torch.Tensor:
+        """The group's sharded buffer: see [Note: sharded buffer] (all_gather_layout.py)."""
+        return self.all_gather_layout.sharded_buffer
 
     def set_comm_precision(self, policy: CommPrecisionPolicy | None) -> None:
         """What the wire carries from now on (see `CommPrecisionPolicy`).
@@ -278,21 +173,17 @@ class FSDPParamGroup:
         if (
             self.training_state != TrainingState.IDLE
             or self.sharded_state != ShardedState.SHARDED
-            or self._all_gather is not None
-            or self._post_forward_buffer is not None
+            or self._in_flight is not None
+            or self._post_forward is not None
         ):
             raise RuntimeError(
                 f"set_comm_precision on '{self.fqn or 'the root'}' between its forward and "
                 "its backward (or with an unshard in flight): call it between iterations"
             )
-        self.comm_precision = policy
         self.reduction.set_comm_precision(policy)
-        self._init_all_gather_layout()
-
-    def _sharded_device(self, device: torch.device) -> torch.device:
-        if self.offload is None or device.type == "meta":
-            return device
-        return torch.device("cpu")
+        self.all_gather_layout = AllGatherLayout.build(
+            self.fsdp_params, policy, self.sharded_buffer
+        )
 
     def to_sharded_modules(self) -> None:
         """The one mutation of ``fully_shard``: register the sharded params."""
@@ -304,25 +195,7 @@ class FSDPParamGroup:
         happened to the sharded params since ``fully_shard``, and refuse to train on
         params that cannot be (the same checks, types and wording as torch's)."""
         self.reset_sharded_params()
-        on_meta = [p.fqn for p in self.fsdp_params if p.registered_local().is_meta]
-        if on_meta:
-            raise RuntimeError(
-                "FSDP parameters should be materialized from meta device before training, "
-                f"but the following were still on meta device: {on_meta}. Call "
-                "module.to_empty(device=...) on the root, then initialize the values (e.g. "
-                "inside dtensor_fsdp.init_unsharded(model), or reset_parameters())"
-            )
-        not_on_cpu = [
-            (p.fqn, p.registered_local().device)
-            for p in self.fsdp_params
-            if self.offload is not None and p.registered_local().device.type != "cpu"
-        ]
-        if not_on_cpu:
-            raise RuntimeError(
-                "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
-                'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
-                f"Found following parameters on non-CPU device: {not_on_cpu}"
-            )
+        check_materialized(self.fsdp_params, offload=self.offload is not None)
         self.ctx = ctx
 
     def reset_sharded_params(self) -> bool:
@@ -352,19 +225,13 @@ class FSDPParamGroup:
             return False  # lazy init refuses it, as torch does
         if self.device.type == "meta":
             self.device = self.mesh_info.device
-        # See [Note: sharded buffer] for the order; sorted in place, since the reduction
-        # holds this same list.
-        self.fsdp_params.sort(key=lambda p: -p.registered_local().dtype.itemsize)
-        sizes = [reset_buffer_nbytes(p) for p in self.fsdp_params]
-        pin = self.offload is not None and self.offload.pin_memory and self.device.type != "cpu"
-        self.sharded_buffer = torch.empty(
-            sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin
+        # Sorted in place, since the reduction holds this same list.
+        sharded_buffer = rederive_sharded_buffer(
+            self.fsdp_params, device, self._pins_sharded_buffer()
         )
-        for fsdp_param, segment in zip(
-            self.fsdp_params, self.sharded_buffer.split(sizes), strict=True
-        ):
-            reset_sharded_param(fsdp_param, segment)
-        self._init_all_gather_layout()
+        self.all_gather_layout = AllGatherLayout.build(
+            self.fsdp_params, self.all_gather_layout.comm_precision, sharded_buffer
+        )
         return True
 
     def check_replacements(self, owners: dict[int, FSDPParam]) -> None:
@@ -383,7 +250,7 @@ class FSDPParamGroup:
         The all-gather is always issued asynchronously; ``async_op=False`` waits for it
         and copies out right away.
         """
-        if self.sharded_state == ShardedState.UNSHARDED or self._all_gather is not None:
+        if self.sharded_state == ShardedState.UNSHARDED or self._in_flight is not None:
             if not async_op:
                 self.wait_for_unshard()
             return
@@ -392,23 +259,22 @@ class FSDPParamGroup:
         streams, role = self._streams(), self._all_gather_role()
         # ``param.data = ...`` since the last all-gather: the new sharded buffer is
         # filled on the compute stream.
-        if self._post_forward_buffer is None and self.reset_sharded_params() and role is not None:
+        post_forward = self._post_forward
+        if post_forward is None and self.reset_sharded_params() and role is not None:
             streams.wait_for_compute(role)
-        if role is not None:
-            streams.wait_for_event(role, self._post_forward_event)
-        self._post_forward_event = None
+        if post_forward is not None and post_forward.written is not None:
+            if role is not None:
+                streams.wait_for_event(role, post_forward.written)
+            self._post_forward = PostForwardShard(post_forward.buffer, written=None)
         # For `_reshard_if_stale`. Every group: besides the root and
         # reshard_after_forward/backward=False, an explicit unshard() and hpZ's
         # post-forward buffer also keep a group's all-gathered values into a forward.
-        if self._post_forward_buffer is None:
+        if post_forward is None:
             self._gathered_versions = [p.sharded_version() for p in self.fsdp_params]
         with streams.on(role):
             source = self._all_gather_source_now()
-            if self.observers:
-                self._all_gather_watches = self._observe_all_gather(source)
-            self._all_gather = all_gather(
-                source.input, source.mesh_info.shard_group, self.custom_all_gather
-            )
+            watches = self._observe_all_gather(source) if self.observers else ()
+            result = all_gather(source.input, source.mesh_info.shard_group, self.custom_all_gather)
             # Everything the copy-out reads was written on this stream: the offload's
             # host-to-device copy, the copy-in, a custom all-gather's own kernels (it
             # may return no Work). One event orders them all, at every shard size:
@@ -416,50 +282,25 @@ class FSDPParamGroup:
             # input, so the cast and copy may still overlap the previous block's
             # compute. torch's FSDP2 instead casts on the compute stream at one rank;
             # both order the same writes before the copy-out.
-            self._all_gather_event = streams.record_on(role) if role is not None else None
-        self._all_gather_source = source
-        self._all_gather_async = async_op
+            event = streams.record_on(role) if role is not None else None
+        self._in_flight = AllGatherInFlight(result, source, event, async_op, watches)
         if not async_op:
             self.wait_for_unshard()
 
     def wait_for_unshard(self) -> None:
         """Wait for the in-flight all-gather, copy out, register the unsharded params."""
-        source = self._all_gather_source
-        result = self._wait_all_gather()
-        if result is None:
+        in_flight = self._wait_all_gather()
+        if in_flight is None:
             return
-        assert source is not None
         if self.training_state == TrainingState.FORWARD and self.ctx is not None:
             # The previous forward copy-out's output; see [Note: forward all-gather
             # overlap] (scheduler.py).
             self.ctx.release_kept_all_gather()
-        self._post_forward_buffer = None  # its contents are in the all-gather output now
-        world_size = source.mesh_info.shard_size
-        # Autograd saved these tensors in forward; refilling them in backward must not
-        # look like an in-place change to its version check. One guard for the group.
-        with torch.autograd._unsafe_preserve_version_counter(self._version_tracked()):
-            is_post_forward = source.mesh_info is not self.mesh_info
-            exact = self._post_forward_order if is_post_forward else self._all_gather_order
-            rows = result.output.view(world_size, -1)  # (W, bytes per rank)
-            exact_nbytes = sum(source.split_nbytes)
-            copy_out(
-                rows[:, :exact_nbytes],
-                source.split_nbytes,
-                [t for p in exact for t in p.copy_out_targets(world_size, is_post_forward)],
-            )
-            if source.wire is not None:
-                # Every rank decodes the same bytes, its own shard's too: identical weights.
-                decode(
-                    rows[:, exact_nbytes:],
-                    source.wire,
-                    [
-                        p.copy_out_targets(world_size, False)[0].view(p.param_dtype)
-                        for p in self._quantized_all_gather_order
-                    ],  # each (W, padded_shard_numel)
-                )
-            for fsdp_param in self._finishes_copy_out:
-                fsdp_param.finish_copy_out()
-        self._release_copied_out(result, world_size)
+        self._post_forward = None  # its contents are in the all-gather output now
+        source = in_flight.source
+        is_post_forward = source.mesh_info is not self.mesh_info
+        self.all_gather_layout.foreach_copy_out(in_flight.result.output, source, is_post_forward)
+        self._release_copied_out(in_flight)
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -469,8 +310,7 @@ class FSDPParamGroup:
         # A prefetched all-gather still writes into its output: let it finish first.
         if self._wait_all_gather() is not None:
             self._release_all_gather()
-        self._post_forward_buffer = None
-        self._post_forward_event = None
+        self._post_forward = None
         if self.sharded_state == ShardedState.SHARDED:
             return
         if self.observers:
@@ -500,7 +340,7 @@ class FSDPParamGroup:
         every training forward after an evaluation instead would cost one all-gather
         of the root per evaluation loop, which torch does not issue.
         """
-        if self.sharded_state == ShardedState.SHARDED and self._post_forward_buffer is None:
+        if self.sharded_state == ShardedState.SHARDED and self._post_forward is None:
             return
         if any(p.is_foreign() or not p.is_current() for p in self.fsdp_params) or (
             self._gathered_versions != [p.sharded_version() for p in self.fsdp_params]
@@ -565,9 +405,9 @@ class FSDPParamGroup:
                 f"supported for parameters with all-gather extensions: {extended}"
             )
         k, j = post_forward.shard_size, post_forward.shard_rank
-        kept = [p.unsharded_rows(k)[j] for p in self._post_forward_order]  # each (W/k * bytes,)
-        self._post_forward_buffer = torch.cat(kept)  # (W/k * shard_nbytes,) uint8
-        self._post_forward_event = self._streams().record_compute()
+        self._post_forward = PostForwardShard(
+            self.all_gather_layout.post_forward_buffer(k, j), self._streams().record_compute()
+        )
         if self.observers:
             self._record("reshard_post_forward")
         for fsdp_param in self.fsdp_params:
@@ -642,91 +482,35 @@ class FSDPParamGroup:
 
     # Communication helpers #
 
-    def _all_gather_source_now(self) -> "AllGatherSource":
-        if self._post_forward_buffer is not None:
+    def _all_gather_source_now(self) -> AllGatherSource:
+        layout = self.all_gather_layout
+        if self._post_forward is not None:
             assert self.post_forward_mesh_info is not None
-            ratio = self.mesh_info.shard_size // self.post_forward_mesh_info.shard_size
-            return AllGatherSource(
-                self._post_forward_buffer,
-                self.post_forward_mesh_info,
-                [ratio * p.all_gather_nbytes for p in self._post_forward_order],
+            return layout.post_forward_source(
+                self._post_forward, self.mesh_info, self.post_forward_mesh_info
             )
         # CPU offload: one host-to-device copy of the whole group's shards (on the
         # all-gather stream on an accelerator, so it overlaps compute).
-        sharded = self.sharded_buffer.to(self.device, non_blocking=True)
-        if not self._copies_in:
-            return AllGatherSource(sharded, self.mesh_info, self._plain_all_gather_split)
-        if self._casts_whole_buffer:
-            first = self.fsdp_params[0]
-            cast = sharded.view(first.dtype).to(first.param_dtype).view(torch.uint8)
-            return AllGatherSource(cast, self.mesh_info, self._plain_all_gather_split)
-        shards = self._padded_shards(sharded)
-        copied_in = copy_in(
-            [shards[p] for p in self._plain_all_gather_order],
-            self._plain_all_gather_dtypes,
-            [
-                t
-                for p in self._all_gather_order
-                if p.extension is not None
-                for t in p.extension_all_gather_inputs()
-            ],
-            self._all_gather_wire,
-            # Encoded from the sharded (master) values, not from a param_dtype copy.
-            [shards[p].view(1, -1) for p in self._quantized_all_gather_order],
-        )
-        return AllGatherSource(
-            copied_in.input, self.mesh_info, copied_in.split_nbytes, self._all_gather_wire
-        )
+        sharded = layout.sharded_buffer.to(self.device, non_blocking=True)
+        return layout.sharded_source(sharded, self.mesh_info)
 
-    def _padded_shards(self, sharded: torch.Tensor) -> dict[FSDPParam, torch.Tensor]:
-        """Each param's padded shard in ``sharded`` (the sharded buffer, or its copy on
-        the compute device under CPU offload); the views of the sharded buffer itself
-        are built once per layout."""
-        if sharded is self.sharded_buffer and self._padded_shards_cache is not None:
-            return self._padded_shards_cache
-        segments = sharded.split([p.sharded_buffer_nbytes for p in self.fsdp_params])
-        shards = {
-            p: p.padded_shard_view(segment)
-            for p, segment in zip(self.fsdp_params, segments, strict=True)
-            if p.extension is None  # an extension's subclass is not in the buffer
-        }
-        if sharded is self.sharded_buffer:
-            self._padded_shards_cache = shards
-        return shards
-
-    def _version_tracked(self) -> tuple[torch.Tensor, ...]:
-        """The tensors copy-out writes into that autograd may have saved, but for
-        inference tensors (made under inference_mode), which have no version counter.
-        Built once per layout: plain params keep their unsharded tensors until
-        `reset_sharded_params`; an extension may build new ones at any copy-out."""
-        if self._version_tracked_cache is not None:
-            return self._version_tracked_cache
-        tracked = tuple(
-            t for p in self.fsdp_params for t in p.version_tracked() if not t.is_inference()
-        )
-        if all(p.extension is None for p in self.fsdp_params):
-            self._version_tracked_cache = tracked
-        return tracked
-
-    def _wait_all_gather(self) -> AllGatherResult | None:
-        result, self._all_gather = self._all_gather, None
-        source, self._all_gather_source = self._all_gather_source, None
-        event, self._all_gather_event = self._all_gather_event, None
-        watches, self._all_gather_watches = self._all_gather_watches, ()
-        if result is None:
+    def _wait_all_gather(self) -> AllGatherInFlight | None:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
             return None
-        assert source is not None
+        result, source = in_flight.result, in_flight.source
         # The all-gather stream's writes (see `unshard`), whatever Work exists.
-        self._streams().wait_for_event(None, event)
+        self._streams().wait_for_event(None, in_flight.event)
         if source.mesh_info.shard_size == 1:
-            return result  # nothing was issued (one rank)
+            return in_flight  # nothing was issued (one rank)
+        watches = in_flight.watches
         if watches:
             begin_wait(watches)
         if result.work is not None:
             result.work.wait()  # on an accelerator, the compute stream waits
         if watches:
             end_wait(watches, result.output.numel(), self._phase())  # uint8 output
-        return result
+        return in_flight
 
     def _release_all_gather(self) -> None:
         """An all-gather waited but not copied out (dropped): the all-gather stream
@@ -734,8 +518,8 @@ class FSDPParamGroup:
         buffers. The caller drops its references right after."""
         self._streams().wait_for_compute(StreamRole.ALL_GATHER)
 
-    def _release_copied_out(self, result: AllGatherResult, world_size: int) -> None:
-        """The copy-out of ``result`` is queued: the all-gather stream waits for it
+    def _release_copied_out(self, in_flight: AllGatherInFlight) -> None:
+        """The copy-out of ``in_flight`` is queued: the all-gather stream waits for it
         before the output is freed, at the next copy-out for a forward implicit
         unshard over more than one rank, else now. See [Note: forward all-gather
         overlap] (scheduler.py); the host has no stream to overlap and frees it at
@@ -745,11 +529,11 @@ class FSDPParamGroup:
         if (
             streams.has_streams
             and self.training_state == TrainingState.FORWARD
-            and not self._all_gather_async
-            and world_size > 1
+            and not in_flight.is_async
+            and in_flight.source.mesh_info.shard_size > 1
             and self.ctx is not None
         ):
-            self.ctx.keep_all_gather(result.output, copy_out_event)
+            self.ctx.keep_all_gather(in_flight.result.output, copy_out_event)
         else:
             streams.wait_for_event(StreamRole.ALL_GATHER, copy_out_event)
 

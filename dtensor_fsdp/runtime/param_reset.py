@@ -1,7 +1,7 @@
 """Re-deriving a sharded parameter after user code replaced it: checking and
 adopting a Parameter registered in its place, and moving a replaced local tensor into
 the group's new sharded buffer (see [Note: re-deriving the sharded state] in
-param_group.py).
+param_group.py); at lazy init, refusing parameters never materialized.
 
 Off the per-step path (it runs only after user code changed a parameter): `FSDPParam`
 (param.py) owns the parameter's runtime life.
@@ -13,6 +13,21 @@ from torch.distributed.tensor import DTensor
 
 from .extension import AllGatherExtension, has_all_gather_extension
 from .param import FSDPParam, mp_dtypes
+
+
+def rederive_sharded_buffer(
+    fsdp_params: list[FSDPParam], device: torch.device, pin: bool
+) -> torch.Tensor:
+    """A new sharded buffer on ``device`` for the local tensors that replaced the
+    params' (in place of the group's ``fsdp_params``, sorted in place into the
+    buffer's order: see [Note: sharded buffer] (all_gather_layout.py)), re-deriving
+    each parameter (`reset_sharded_param`). Returns the buffer (1-D uint8)."""
+    fsdp_params.sort(key=lambda p: -p.registered_local().dtype.itemsize)
+    sizes = [reset_buffer_nbytes(p) for p in fsdp_params]
+    sharded_buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin)
+    for fsdp_param, segment in zip(fsdp_params, sharded_buffer.split(sizes), strict=True):
+        reset_sharded_param(fsdp_param, segment)
+    return sharded_buffer
 
 
 def reset_sharded_param(fsdp_param: FSDPParam, segment: torch.Tensor) -> None:
@@ -103,6 +118,35 @@ def check_replacement(fsdp_param: FSDPParam, owners: dict[int, FSDPParam]) -> No
         "sharded parameters or made with distribute_tensor(full, mesh, placements); or "
         "copy the new values into the registered parameter in place"
     )
+
+
+def check_materialized(fsdp_params: list[FSDPParam], offload: bool) -> None:
+    """At lazy init, after the group re-derived what it could: refuse to train on
+    params still on meta, or (CPU offload) materialized elsewhere than on the CPU, with
+    torch's types and wording.
+
+    Raises:
+        RuntimeError: naming the parameters and the fix.
+    """
+    on_meta = [p.fqn for p in fsdp_params if p.registered_local().is_meta]
+    if on_meta:
+        raise RuntimeError(
+            "FSDP parameters should be materialized from meta device before training, "
+            f"but the following were still on meta device: {on_meta}. Call "
+            "module.to_empty(device=...) on the root, then initialize the values (e.g. "
+            "inside dtensor_fsdp.init_unsharded(model), or reset_parameters())"
+        )
+    not_on_cpu = [
+        (p.fqn, p.registered_local().device)
+        for p in fsdp_params
+        if offload and p.registered_local().device.type != "cpu"
+    ]
+    if not_on_cpu:
+        raise RuntimeError(
+            "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
+            'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
+            f"Found following parameters on non-CPU device: {not_on_cpu}"
+        )
 
 
 def adopt_replacement(fsdp_param: FSDPParam) -> None:
