@@ -87,6 +87,7 @@ def register_state_dict_hooks(state: FSDPState) -> None:
     for module, params in held.values():
         groups = list({id(p.group): p.group for p in params}.values())
         module.register_state_dict_pre_hook(_reshard_before_state_dict(groups))
+        module.register_state_dict_post_hook(_own_storage_values(params))
         module.register_load_state_dict_pre_hook(_shard_loaded_values(groups, params))
         module.register_load_state_dict_post_hook(_adopt_assigned(params))
     # The residuals are keyed under the module passed to fully_shard (see [Note:
@@ -131,6 +132,49 @@ def _reshard_before_state_dict(groups: list[FSDPParamGroup]) -> Callable[..., No
             group.reshard()
 
     return hook
+
+
+def _own_storage_values(params: list[_HeldParam]) -> Callable[..., None]:
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for held in params:
+            key = prefix + held.name
+            value = state_dict.get(key)
+            # keep_vars=True hands out the registered Parameter itself: left as it is.
+            if isinstance(value, DTensor) and not isinstance(value, nn.Parameter):
+                state_dict[key] = _with_own_storage(value)
+
+    return hook
+
+
+# [Note: state-dict values own their storage]
+# A sharded param's local tensor is a view into its group's sharded buffer ([Note:
+# sharded buffer]): every param after the first has a nonzero storage offset, and a
+# DTensor built on it inherits that offset on its own (data-less) wrapper storage. torch's
+# async checkpoint stager (StateDictStager._offload_tensor, used by dcp.async_save) takes
+# a tensor with ``data_ptr() != 0`` for one with a storage of its own and copies that
+# storage: for such a DTensor the wrapper's invalid one, which raises "Attempted to call
+# copy_() on an invalid python storage". torch's FSDP2 never meets it: each of its
+# sharded params owns an offset-0 storage. So the state dict hands out each value over
+# an alias of its local tensor's bytes with a storage of its own (DLPack: zero-copy, the
+# same memory, kept alive by the alias): offset 0, the stager then copies exactly the
+# shard, and writes into the value (``dcp.load`` in place) reach the sharded param, as
+# torch's. Only the state dict sees the alias; the params stay views of the buffer
+# (the all-gather reads it in place). Unlike a view, the alias has its own version
+# counter: ``load_state_dict`` copies into the param, which counts; our pre-hook
+# reshards anyway.
+
+
+def _with_own_storage(value: DTensor) -> DTensor:
+    """``value`` (a sharded param's state-dict value) over a zero-copy alias of its
+    local tensor with a storage of its own, at offset 0. See [Note: state-dict values
+    own their storage]."""
+    local = value.to_local()
+    if type(local) is not torch.Tensor or local.is_meta:
+        # A param with an all-gather extension keeps its own subclass tensor; a param
+        # on meta has no bytes to alias.
+        return value
+    alias = torch.from_dlpack(local.detach())  # same shape, stride and memory; offset 0
+    return wrap_local(alias, value.device_mesh, value.placements, value.shape, value.stride())
 
 
 def _shard_loaded_values(
