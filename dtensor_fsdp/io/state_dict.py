@@ -3,7 +3,9 @@
 - ``model.state_dict()`` returns the sharded DTensors under the original FQNs, with no
   communication and no FSDP-specific key mangling; a pre-hook reshards the group first
   (the root stays unsharded after a ``no_grad`` forward), so it never returns unsharded
-  parameters, as torch's FSDP2. The hooks sit on every module that holds FSDP
+  parameters, as torch's FSDP2. Each value is a zero-copy alias of the shard with a
+  storage of its own, which ``dcp.async_save``'s stager can copy (see [Note: state-dict
+  values own their storage]). The hooks sit on every module that holds FSDP
   parameters, as torch's, so a plain submodule's state dict (``model.out``) is sharded
   in and out too. With ``CommPrecisionPolicy(error_feedback=True)`` only, the state
   dict of a module passed to ``fully_shard`` also holds the error-feedback residuals
@@ -160,8 +162,9 @@ def _own_storage_values(params: list[_HeldParam]) -> Callable[..., None]:
 # shard, and writes into the value (``dcp.load`` in place) reach the sharded param, as
 # torch's. Only the state dict sees the alias; the params stay views of the buffer
 # (the all-gather reads it in place). Unlike a view, the alias has its own version
-# counter: ``load_state_dict`` copies into the param, which counts; our pre-hook
-# reshards anyway.
+# counter, so `_reshard_if_stale` misses a ``dcp.load`` into it alone; the documented
+# route, ``dcp.load`` then ``load_state_dict`` (``set_state_dict``), copies into the
+# params (counted) after our pre-hook resharded them.
 
 
 def _with_own_storage(value: DTensor) -> DTensor:
@@ -169,11 +172,14 @@ def _with_own_storage(value: DTensor) -> DTensor:
     local tensor with a storage of its own, at offset 0. See [Note: state-dict values
     own their storage]."""
     local = value.to_local()
-    if type(local) is not torch.Tensor or local.is_meta:
-        # A param with an all-gather extension keeps its own subclass tensor; a param
-        # on meta has no bytes to alias.
+    if type(local) is not torch.Tensor:
+        return value  # an all-gather extension's own subclass tensor, not a view
+    try:
+        alias = torch.from_dlpack(local.detach())  # same shape, stride, memory; offset 0
+    except (ValueError, BufferError):
+        # A device DLPack does not cover (meta: no bytes; a PrivateUse1 backend): the
+        # view itself, which every path but the async stager takes.
         return value
-    alias = torch.from_dlpack(local.detach())  # same shape, stride and memory; offset 0
     return wrap_local(alias, value.device_mesh, value.placements, value.shape, value.stride())
 
 

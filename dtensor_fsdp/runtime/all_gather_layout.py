@@ -8,7 +8,10 @@ the all-gather reads it in place, so the per-step copy-in that torch's FSDP2 doe
 shard into a fresh all-gather buffer) disappears. The optimizer updates the views in
 place, which keeps them valid. Parameters are laid out by element size, largest first,
 so each segment's byte offset is a multiple of its dtype's size and ``view(dtype)``
-works without alignment padding; a group may mix dtypes.
+works without alignment padding; a group may mix dtypes. State dicts hand out aliases
+of the views with storages of their own ([Note: state-dict values own their storage] in
+``io/state_dict.py``): torch's async checkpoint stager cannot copy a DTensor over a view
+at a nonzero offset.
 
 The all-gather carries each plain param's padded shard in param_dtype, then each
 extension's inputs, as bytes. Without a cast or an extension it reads the sharded buffer

@@ -115,7 +115,10 @@ def _scenario_resume(impl: str, variant: str, directory: str) -> dict:
         state_dict = _state_dict(model, optimizer)
         dcp.load(state_dict, checkpoint_id=path)
         set_state_dict(
-            model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+            model,
+            optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
         )
         loaded = full_state(model, optimizer)
         _train(model, optimizer, range(K, K + M))
@@ -132,24 +135,23 @@ def _save_worker(rank: int, world_size: int, tmp: str) -> dict:
     scenarios = {}
     for impl, variant in CASES:
         directory = _case_dir(tmp, impl, variant)
-        scenarios[f"save/{impl}/{variant}"] = (
-            lambda i=impl, v=variant, d=directory: _scenario_save(i, v, d, pg)
+        scenarios[f"save/{impl}/{variant}"] = lambda i=impl, v=variant, d=directory: _scenario_save(
+            i, v, d, pg
         )
-        scenarios[f"resume/{impl}/{variant}"] = (
-            lambda i=impl, v=variant, d=directory: _scenario_resume(i, v, d)
+        scenarios[f"resume/{impl}/{variant}"] = lambda i=impl, v=variant, d=directory: (
+            _scenario_resume(i, v, d)
         )
     return run_scenarios(scenarios)
 
 
 def _resume_worker(rank: int, world_size: int, tmp: str) -> dict:
-    return run_scenarios(
-        {
-            f"resume/{impl}/{variant}": (
-                lambda i=impl, v=variant, d=_case_dir(tmp, impl, variant): _scenario_resume(i, v, d)
-            )
-            for impl, variant in CASES
-        }
-    )
+    scenarios = {}
+    for impl, variant in CASES:
+        directory = _case_dir(tmp, impl, variant)
+        scenarios[f"resume/{impl}/{variant}"] = lambda i=impl, v=variant, d=directory: (
+            _scenario_resume(i, v, d)
+        )
+    return run_scenarios(scenarios)
 
 
 # ---------------------------------------------------------------------------
@@ -169,8 +171,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
 
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
     assert sorted(got) == sorted(want), what
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=f"{what}: {key}")
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=f"{what}: {key}")
 
 
 @pytest.mark.parametrize("impl,variant", CASES)
