@@ -38,7 +38,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from dtensor_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
-from tests._parity import full_state
+from tests._parity import full, full_state
 
 SAVE_WORLD_SIZE = 2
 LOAD_WORLD_SIZES = (1, 2, 4)
@@ -126,13 +126,50 @@ def _scenario_resume(impl: str, variant: str, directory: str) -> dict:
     return out
 
 
+def _scenario_state_dict_values(impl: str) -> dict:
+    """What a user sees of the state-dict values: the shards' own memory (a write into
+    a value reaches the param, as ``dcp.load`` writes), and loads, ``assign=True`` too,
+    that keep each of our groups in one storage (the all-gather reads it in place)."""
+    model, _ = _build(impl, "plain")
+    source, _ = _build(impl, "plain")
+    with torch.no_grad():
+        for value in source.parameters():
+            value.add_(1.0)
+    values = model.state_dict()
+    params = dict(model.named_parameters())
+    same_memory = all(
+        values[k].to_local().data_ptr() == p.to_local().data_ptr() for k, p in params.items()
+    )
+    with torch.no_grad():
+        for value in values.values():
+            value.to_local().fill_(2.0)
+    written_through = all(bool((full(p) == 2.0).all()) for p in params.values())
+    model.load_state_dict(source.state_dict(), assign=True)
+    loaded = all(
+        torch.equal(full(p), full(q)) for p, q in zip(model.parameters(), source.parameters())
+    )
+    groups = (model[0], model[2], model[4])  # the root's group holds model[4]'s params
+    storages = [
+        len({p.to_local().untyped_storage().data_ptr() for p in group.parameters()})
+        for group in groups
+    ]
+    return {
+        "same_memory": same_memory,
+        "written_through": written_through,
+        "loaded": loaded,
+        "storages": storages,
+    }
+
+
 def _case_dir(tmp: str, impl: str, variant: str) -> str:
     return os.path.join(tmp, f"{impl}_{variant}")
 
 
 def _save_worker(rank: int, world_size: int, tmp: str) -> dict:
     pg = dist.new_group(backend="gloo")
-    scenarios = {}
+    scenarios: dict[str, Callable[[], Any]] = {
+        f"values/{impl}": (lambda i=impl: _scenario_state_dict_values(i)) for impl in IMPLS
+    }
     for impl, variant in CASES:
         directory = _case_dir(tmp, impl, variant)
         scenarios[f"save/{impl}/{variant}"] = lambda i=impl, v=variant, d=directory: _scenario_save(
@@ -203,3 +240,18 @@ def test_ours_saves_what_torch_saves(runs: dict[int, list[dict]], variant: str) 
     theirs = scenario_records(runs[SAVE_WORLD_SIZE], f"save/torch/{variant}")
     for rank in range(SAVE_WORLD_SIZE):
         _assert_equal(ours[rank]["saved"], theirs[rank]["saved"], f"rank {rank} saved")
+
+
+def test_state_dict_values_alias_the_shards(runs: dict[int, list[dict]]) -> None:
+    """As torch's: each value is the shard's memory (no copy), so ``dcp.load`` into it
+    writes the live param, and ``load_state_dict(assign=True)`` loads the values. Ours
+    keeps every group's shards in one storage through it (the group's sharded buffer,
+    which the all-gather reads in place); torch's gives each param its own."""
+    for impl, per_group in (("ours", [1, 1, 1]), ("torch", [2, 2, 2])):
+        for record in scenario_records(runs[SAVE_WORLD_SIZE], f"values/{impl}"):
+            assert record == {
+                "same_memory": True,
+                "written_through": True,
+                "loaded": True,
+                "storages": per_group,
+            }, impl
