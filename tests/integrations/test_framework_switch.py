@@ -146,3 +146,14 @@ def test_transformers_bound_name_is_replaced():
     with use_dtensor_fsdp():
         assert tfsdp.fully_shard is torch_fsdp.fully_shard is not torchs_fully_shard()
     assert tfsdp.fully_shard is torchs_fully_shard()
+
+
+def test_fsdp_mem_tracker_names_the_missing_state(mesh, switched):
+    # torch's FSDPMemTracker accepts our modules now (isinstance), then reads torch's
+    # private state: it must stop there, saying so, not measure something else.
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    model = torch_fsdp.fully_shard(nn.Sequential(nn.Linear(4, 4)), mesh=mesh)
+    with pytest.raises(AttributeError, match=r"'_fsdp_param_group'.*torch FSDP2's private"):
+        with FSDPMemTracker(model):
+            model(torch.randn(2, 4)).sum().backward()
