@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import sys
 from types import ModuleType, TracebackType
-from typing import Any
+from typing import Any, Self
 
 import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
@@ -100,12 +100,17 @@ def _refused_state(module: Any) -> Any:
     )
 
 
-# torch's policy classes and ours: the same dataclass fields.
+# torch's policy classes and ours: the same dataclass fields. By name, as a torch
+# release may lack one (DataParallelMeshDims is recent).
 _POLICIES = {
-    torch_fsdp.MixedPrecisionPolicy: api.MixedPrecisionPolicy,
-    torch_fsdp.OffloadPolicy: api.OffloadPolicy,
-    torch_fsdp.CPUOffloadPolicy: api.CPUOffloadPolicy,
-    torch_fsdp.DataParallelMeshDims: api.DataParallelMeshDims,
+    getattr(torch_fsdp, name): getattr(api, name)
+    for name in (
+        "MixedPrecisionPolicy",
+        "OffloadPolicy",
+        "CPUOffloadPolicy",
+        "DataParallelMeshDims",
+    )
+    if hasattr(torch_fsdp, name)
 }
 
 
@@ -128,10 +133,11 @@ _fully_shard.state = _refused_state  # type: ignore[attr-defined]
 _REPLACEMENTS: dict[int, tuple[Any, Any]] = {
     id(theirs): (theirs, ours)
     for theirs, ours in (
-        (torch_fsdp.fully_shard, _fully_shard),
-        (torch_fsdp.register_fsdp_forward_method, register_fsdp_forward_method),
-        (torch_fsdp.share_comm_ctx, share_comm_ctx),
+        (getattr(torch_fsdp, "fully_shard", None), _fully_shard),
+        (getattr(torch_fsdp, "register_fsdp_forward_method", None), register_fsdp_forward_method),
+        (getattr(torch_fsdp, "share_comm_ctx", None), share_comm_ctx),
     )
+    if theirs is not None  # share_comm_ctx is recent
 }
 
 # The namespaces torch defines them in: left alone, because torch's own code calls them
@@ -165,7 +171,7 @@ class FrameworkSwitch:
             _active = None
         self._replaced, self._added_base = [], False
 
-    def __enter__(self) -> "FrameworkSwitch":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

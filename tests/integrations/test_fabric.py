@@ -51,7 +51,9 @@ def _train(parallelize_fn: Callable[[nn.Module, Any], nn.Module]) -> dict[str, A
     fabric = Fabric(
         accelerator="cpu",
         devices=2,
-        strategy=ModelParallelStrategy(parallelize_fn, data_parallel_size=2, tensor_parallel_size=1),
+        strategy=ModelParallelStrategy(
+            parallelize_fn, data_parallel_size=2, tensor_parallel_size=1
+        ),
     )
     fabric.launch()
     model = fabric.setup_module(mlp())
