@@ -172,18 +172,50 @@ def fully_shard(
         managed._fsdp_use_orig_params = True
     for m in modules:
         m.__dict__[STATE_ATTR] = state
-        m.__class__ = _fsdp_class(type(m))
+        m.__class__ = _fsdp_class_of(type(m))
     state.register_hooks()
     register_state_dict_hooks(state)
     return module
 
 
+# [Note: extra FSDP class bases] Classes that every ``FSDP<cls>`` made from now on also
+# derives from, after ``cls`` in the MRO (so FSDPModule's and cls's methods win and
+# ``__mro__[2]`` stays ``cls``). A framework adapter adds one so that frameworks asking
+# ``isinstance(module, torch.distributed.fsdp.FSDPModule)`` recognise our modules
+# (dtensor_fsdp/integrations/frameworks.py); the core itself never adds one. A process-wide
+# list because the question is process-wide: a framework asks it of any module.
+_extra_class_bases: list[type] = []
+
+
+def add_fsdp_class_base(base: type) -> None:
+    """Make every module that ``fully_shard`` shards from now on an instance of ``base``
+    too (see [Note: extra FSDP class bases]). Modules sharded before keep their class.
+    Adding a base already added does nothing."""
+    if not isinstance(base, type):
+        raise TypeError(f"add_fsdp_class_base takes a class, got {type(base).__name__}")
+    if base not in _extra_class_bases:
+        _extra_class_bases.append(base)
+
+
+def remove_fsdp_class_base(base: type) -> None:
+    """Undo ``add_fsdp_class_base(base)`` for modules sharded from now on; a base not
+    added is ignored."""
+    if base in _extra_class_bases:
+        _extra_class_bases.remove(base)
+
+
+def _fsdp_class_of(cls: type) -> type:
+    return _fsdp_class(cls, tuple(_extra_class_bases))
+
+
 @functools.cache
-def _fsdp_class(cls: type) -> type:
-    """``FSDP<cls>``: FSDPModule first in the MRO so its methods win, cls's still work."""
+def _fsdp_class(cls: type, extra_bases: tuple[type, ...]) -> type:
+    """``FSDP<cls>``: FSDPModule first in the MRO so its methods win, cls's still work,
+    then the extra bases (see [Note: extra FSDP class bases])."""
     if issubclass(cls, FSDPModule):
         return cls
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    bases = (FSDPModule, cls) + tuple(b for b in extra_bases if not issubclass(cls, b))
+    return type(f"FSDP{cls.__name__}", bases, {})
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -95,6 +95,21 @@ class FSDPState:
         self.shared_streams: CommStreams | None = None  # share_comm_ctx, read at lazy init
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for a missing attribute. Frameworks written for torch's FSDP2 reach
+        # its private state through ``module._get_fsdp_state()`` (``_fsdp_param_group``,
+        # ``_state_ctx``, ...), which returns this object for our modules: name what
+        # happened instead of a bare "no attribute". Still an AttributeError, so that
+        # hasattr() and getattr() with a default behave as for any missing attribute.
+        if name.startswith("__"):  # protocol probes (copy, pickle): no explanation due
+            raise AttributeError(name)
+        raise AttributeError(
+            f"dtensor_fsdp's FSDPState has no attribute {name!r}. If a framework read it "
+            "through FSDPModule._get_fsdp_state(), it expects torch FSDP2's private state, "
+            "which dtensor_fsdp does not have: use the public FSDPModule API, or torch's "
+            "fully_shard for this model"
+        )
+
     def fsdp_params(self) -> list[FSDPParam]:
         """Every parameter of this call, group by group."""
         return [p for g in self.groups for p in g.fsdp_params]
