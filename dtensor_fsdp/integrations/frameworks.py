@@ -46,6 +46,7 @@ from ..fully_shard import (
     remove_fsdp_class_base,
     share_comm_ctx,
 )
+from .torch_state_names import install_torch_state_names, uninstall_torch_state_names
 
 __all__ = ["FrameworkSwitch", "TorchFSDPModuleBase", "TorchOnlyMethodError", "use_dtensor_fsdp"]
 
@@ -168,6 +169,7 @@ class FrameworkSwitch:
                 setattr(module, name, original)
         if self._added_base:
             remove_fsdp_class_base(TorchFSDPModuleBase)
+            uninstall_torch_state_names()
             _active = None
         self._replaced, self._added_base = [], False
 
@@ -206,6 +208,7 @@ def use_dtensor_fsdp() -> FrameworkSwitch:
     if _active is not None:
         return FrameworkSwitch([], added_base=False)
     add_fsdp_class_base(TorchFSDPModuleBase)
+    install_torch_state_names()
     _active = FrameworkSwitch(_replace_torch_names(), added_base=True)
     return _active
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
 from ..api import MixedPrecisionPolicy
 from .observer import CommObserver
@@ -93,7 +94,10 @@ class FSDPState:
         self.check: CommObserver | None = None
         self.post_optim_event: torch.Event | None = None  # root only, used once
         self.shared_streams: CommStreams | None = None  # share_comm_ctx, read at lazy init
-        self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+        # The (pre-forward, post-forward) hook handles of each module in ``modules``,
+        # in that order: a tool that wraps the forward hooks (torch's FSDPMemTracker,
+        # through integrations/) removes one and stores the handle of its replacement.
+        self.forward_hook_handles: list[tuple[RemovableHandle, RemovableHandle]] = []
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for a missing attribute. Frameworks written for torch's FSDP2 reach
@@ -118,12 +122,11 @@ class FSDPState:
 
     def register_hooks(self) -> None:
         for module in self.modules:
-            self._hook_handles.append(
-                module.register_forward_pre_hook(
-                    self.pre_forward_hook(module), prepend=True, with_kwargs=True
-                )
+            pre = module.register_forward_pre_hook(
+                self.pre_forward_hook(module), prepend=True, with_kwargs=True
             )
-            self._hook_handles.append(module.register_forward_hook(self.post_forward_hook(module)))
+            post = module.register_forward_hook(self.post_forward_hook(module))
+            self.forward_hook_handles.append((pre, post))
 
     def lazy_init(self) -> None:
         """Become the root: share one CommContext with every state in the tree."""
