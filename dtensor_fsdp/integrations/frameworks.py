@@ -23,6 +23,8 @@ micro-batch, the Trainer leaves an evaluated root unsharded. The switch does two
   policies passed to it (``MixedPrecisionPolicy``, ``CPUOffloadPolicy``, ...) become
   ours, field by field. ``fully_shard.state(module)``, torch's private state accessor,
   raises ``TorchOnlyMethodError``.
+- **state names**: the few private names of torch's state that torch's
+  ``FSDPMemTracker`` reads are given to ours, with our meaning (``torch_state_names``).
 
 This module imports ``torch.distributed.fsdp`` (the class to subclass and the names to
 replace); the core never does, so ``import dtensor_fsdp`` alone changes nothing in torch.
