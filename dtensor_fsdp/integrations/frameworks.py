@@ -6,7 +6,7 @@ inspects the modules afterwards with ``isinstance(m, torch.distributed.fsdp.FSDP
 (Lightning Fabric's ``no_backward_sync``, the Trainer's reshard before building the
 optimizer, torch's pipeline stages). Our ``FSDPModule`` is not torch's, so without help a
 framework silently treats our modules as plain ones: Fabric reduces on every
-micro-batch, the Trainer leaves an evaluated root unsharded. The switch does two things:
+micro-batch, the Trainer leaves an evaluated root unsharded. The switch does three things:
 
 - **isinstance**: every module sharded while it is on is also an instance of
   ``TorchFSDPModuleBase``, a subclass of torch's ``FSDPModule``, placed after ours and
