@@ -47,8 +47,8 @@ def _refuse(state: FSDPState, name: str, what: str) -> NotImplementedError:
         f"FSDPState.{name}: torch FSDP2's private state has one {what} per fully_shard "
         f"call; this dtensor_fsdp call on {', '.join(type(m).__name__ for m in state.modules)} "
         f"has {len(state.groups) if what == 'group' else len(state.modules)}. torch's "
-        "FSDPMemTracker reads it: use torch.distributed._tools.mem_tracker.MemTracker for "
-        "this model"
+        "FSDPMemTracker reads it: for this model use torch's plain MemTracker "
+        "(torch.distributed._tools.mem_tracker), or dtensor_fsdp.plan()"
     )
 
 

@@ -101,8 +101,8 @@ class FSDPState:
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for a missing attribute. Frameworks written for torch's FSDP2 reach
-        # its private state through ``module._get_fsdp_state()`` (``_fsdp_param_group``,
-        # ``_state_ctx``, ...), which returns this object for our modules: name what
+        # its private state through ``module._get_fsdp_state()`` (``_state_ctx``,
+        # ``_comm_ctx``, ...), which returns this object for our modules: name what
         # happened instead of a bare "no attribute". Still an AttributeError, so that
         # hasattr() and getattr() with a default behave as for any missing attribute.
         if name.startswith("__"):  # protocol probes (copy, pickle): no explanation due
