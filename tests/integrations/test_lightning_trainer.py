@@ -1,6 +1,7 @@
 """Lightning's ``Trainer`` with ``ModelParallelStrategy`` (FSDP2): ``fully_shard``
 called in ``LightningModule.configure_model``, gradient accumulation
-(``accumulate_grad_batches``), ``trainer.save_checkpoint`` and a resume
+(``accumulate_grad_batches``), a validation loop (a no-grad forward, after which the
+root stays unsharded), ``trainer.save_checkpoint`` and a resume
 (``fit(ckpt_path=...)``), with torch's ``fully_shard`` and with ours.
 
 The Trainer itself never asks whether a module is torch's ``FSDPModule``
@@ -58,6 +59,7 @@ class _Module(lightning.LightningModule):
         self.model = mlp()
         self.parallelize = parallelize
         self.losses: list[torch.Tensor] = []
+        self.val_losses: list[torch.Tensor] = []
 
     def configure_model(self) -> None:
         if isinstance(self.model[0].weight, torch.distributed.tensor.DTensor):
@@ -68,6 +70,11 @@ class _Module(lightning.LightningModule):
         loss = self.model(batch).sum()
         self.losses.append(loss.detach().clone())
         return loss  # the Trainer divides it by accumulate_grad_batches
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        # A forward without gradients: the root keeps its parameters unsharded after
+        # it (both FSDPs), and the checkpoint is then taken.
+        self.val_losses.append(self.model(batch).sum())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # Adam: the checkpoint holds optimizer state (exp_avg, exp_avg_sq, step).
@@ -97,13 +104,14 @@ def _fit(module: _Module, epochs: int, accumulate: int, root: Path, **fit: Any) 
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=1,
     )
-    trainer.fit(module, _data(), **fit)
+    trainer.fit(module, _data(), _data(), **fit)
     return trainer
 
 
 def _params(module: _Module) -> dict[str, torch.Tensor]:
+    module.model.reshard()  # the root stays unsharded after the no-grad validation forward
     return {n: p.to_local().clone() for n, p in module.model.named_parameters()}
 
 
@@ -126,6 +134,7 @@ def _train(parallelize: Callable[..., None], accumulate: int, root: Path) -> dic
         "reductions": count_of(recorder.records, "reduce_scatter")
         + count_of(recorder.records, "all_to_all"),
         "losses": uninterrupted.losses,
+        "val_losses": uninterrupted.val_losses,
         "params": _params(uninterrupted),
         "split_losses": first.losses + resumed.losses,
         "resumed_params": _params(resumed),
@@ -174,6 +183,7 @@ def test_trainer_fits_saves_and_resumes_as_torch(accumulate: int, tmp_path: Path
             run = rank[name]
             assert run["reductions"] == torch_run["reductions"], name
             _assert_bitwise(run["losses"], torch_run["losses"], f"{name} losses")
+            _assert_bitwise(run["val_losses"], torch_run["val_losses"], f"{name} val losses")
             _assert_bitwise(run["params"], torch_run["params"], f"{name} params")
             # Resumed from the checkpoint, it continues as the uninterrupted run.
             _assert_bitwise(run["split_losses"], run["losses"], f"{name} resumed losses")
