@@ -44,6 +44,7 @@ from pathlib import Path
 # this process and the ranks it spawns (spawn hands them sys.path).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _gpu_check_frameworks as frameworks
 import _gpu_check_jobs as jobs
 import _gpu_check_probes as probes
 import _gpu_check_rows as rows
@@ -104,6 +105,9 @@ ROWS = [
         probes.plan_peak, 120),
     Row("compile", 1, "W=1 {backend}", "per-block inductor (fullgraph): ours = torch, "
         "0 graph breaks", rows.compile_blocks, 240),
+    Row("accelerate", 1, "W=1 {backend}", "accelerate's FSDP2 plugin, prepare(model, "
+        "optimizer), grad accum: ours (use_dtensor_fsdp) = torch bitwise",
+        frameworks.accelerate_fsdp2, 120, cuda_only=True),
     Row("train_flags", 0, "torchrun W=1 {backend}", "train.py bf16, grad-accum 2, "
         "offload, AC, meta-init, compile: trains, = reference", jobs.train_flags, 300),
     Row("bench_train", 0, "torchrun W=1 {backend}", "bench_train.py --impls "

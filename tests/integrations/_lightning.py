@@ -1,0 +1,32 @@
+"""What the Lightning tests share: the environment that makes Lightning join the
+harness's gloo group, and a distributed checkpoint's structure for comparing ours
+with torch's."""
+
+import os
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+
+def lightning_environment(rank: int, world_size: int) -> None:
+    """Lightning's ``LightningEnvironment``: processes created outside it (the harness
+    has joined the gloo group already, which Lightning then keeps). Set before every
+    ``Trainer``/``Fabric``: a ``Trainer``'s teardown deletes ``WORLD_SIZE``."""
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
+
+
+def checkpoint_structure(path: Path) -> dict[str, Any]:
+    """A distributed checkpoint folder's files and, per key of its metadata, the
+    global shape and the chunks (offsets, sizes) each rank wrote; "bytes" for
+    pickled values (optimizer hyperparameters)."""
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    entries = {}
+    for key, entry in metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+            entries[key] = (tuple(entry.size), str(entry.properties.dtype), chunks)
+        else:
+            entries[key] = "bytes"
+    return {"files": sorted(p.name for p in path.iterdir()), "entries": entries}
