@@ -1,13 +1,18 @@
 """What the Lightning tests share: the environment that makes Lightning join the
-harness's gloo group, and a distributed checkpoint's structure for comparing ours
-with torch's."""
+harness's gloo group, the two ``parallelize_fn``s of the shared MLP (written for
+torch's names, or calling ours), and a distributed checkpoint's structure for comparing
+ours with torch's."""
 
 import os
 from pathlib import Path
 from typing import Any
 
+import torch.distributed.fsdp as torch_fsdp
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import dtensor_fsdp
 
 
 def lightning_environment(rank: int, world_size: int) -> None:
@@ -30,3 +35,20 @@ def checkpoint_structure(path: Path) -> dict[str, Any]:
         else:
             entries[key] = "bytes"
     return {"files": sorted(p.name for p in path.iterdir()), "entries": entries}
+
+
+def parallelize_with_torch_names(model: nn.Module, mesh: Any) -> nn.Module:
+    """The user's parallelize_fn, as written for torch: looks fully_shard up at call
+    time, so the switch decides whose it is."""
+    for block in (model[0], model[2]):
+        torch_fsdp.fully_shard(block, mesh=mesh["data_parallel"])
+    torch_fsdp.fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
+def parallelize_with_ours(model: nn.Module, mesh: Any) -> nn.Module:
+    """The same, calling ours directly (no switch needed for it to shard)."""
+    for block in (model[0], model[2]):
+        dtensor_fsdp.fully_shard(block, mesh=mesh["data_parallel"])
+    dtensor_fsdp.fully_shard(model, mesh=mesh["data_parallel"])
+    return model

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 
-from dtensor_fsdp.models.llama import Llama, apply_tensor_parallel, cross_entropy_loss
+from dtensor_fsdp.models.llama import Llama, apply_tensor_parallel
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import assert_pairs_equal, make_optimizer
 from tests.integrations.test_titan_recipe import (

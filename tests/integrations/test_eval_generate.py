@@ -35,7 +35,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
-from torch.distributed.tensor import DTensor
 
 from dtensor_fsdp import fully_shard, register_fsdp_forward_method
 from dtensor_fsdp.optim import step_on_local_shards

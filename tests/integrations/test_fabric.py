@@ -14,34 +14,16 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 
 from tests._c10d import C10dRecorder, count_of
 from tests._harness import run_distributed
 from tests._mlp import mlp
+from tests.integrations._lightning import parallelize_with_ours, parallelize_with_torch_names
 
 pytest.importorskip("lightning", reason="Lightning Fabric is not installed (pip install lightning)")
 
 STEPS, MICRO_BATCHES = 3, 2
-
-
-def _torch_names(model: nn.Module, mesh: Any) -> nn.Module:
-    """The user's parallelize_fn, as written for torch: looks fully_shard up at call
-    time, so the switch decides whose it is."""
-    for block in (model[0], model[2]):
-        torch_fsdp.fully_shard(block, mesh=mesh["data_parallel"])
-    torch_fsdp.fully_shard(model, mesh=mesh["data_parallel"])
-    return model
-
-
-def _ours_directly(model: nn.Module, mesh: Any) -> nn.Module:
-    import dtensor_fsdp
-
-    for block in (model[0], model[2]):
-        dtensor_fsdp.fully_shard(block, mesh=mesh["data_parallel"])
-    dtensor_fsdp.fully_shard(model, mesh=mesh["data_parallel"])
-    return model
 
 
 def _train(parallelize_fn: Callable[[nn.Module, Any], nn.Module]) -> dict[str, Any]:
@@ -88,9 +70,9 @@ def _run(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size))
     from dtensor_fsdp.integrations import use_dtensor_fsdp
 
-    results = {"torch": _train(_torch_names), "ours_unswitched": _train(_ours_directly)}
+    results = {"torch": _train(parallelize_with_torch_names), "ours_unswitched": _train(parallelize_with_ours)}
     with use_dtensor_fsdp():
-        results["ours"] = _train(_torch_names)
+        results["ours"] = _train(parallelize_with_torch_names)
     return results
 
 

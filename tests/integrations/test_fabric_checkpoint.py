@@ -23,29 +23,16 @@ from torch import nn
 
 from tests._harness import run_distributed
 from tests._mlp import mlp
-from tests.integrations._lightning import checkpoint_structure, lightning_environment
+from tests.integrations._lightning import (
+    checkpoint_structure,
+    lightning_environment,
+    parallelize_with_ours,
+    parallelize_with_torch_names,
+)
 
 pytest.importorskip("lightning", reason="Lightning Fabric is not installed (pip install lightning)")
 
 STEPS, SAVED_AT = 4, 2  # the checkpoint is taken after step 2
-
-
-def _torch_names(model: nn.Module, mesh: Any) -> nn.Module:
-    """The user's parallelize_fn, as written for torch: looks fully_shard up at call
-    time, so the switch decides whose it is."""
-    for block in (model[0], model[2]):
-        torch_fsdp.fully_shard(block, mesh=mesh["data_parallel"])
-    torch_fsdp.fully_shard(model, mesh=mesh["data_parallel"])
-    return model
-
-
-def _ours_directly(model: nn.Module, mesh: Any) -> nn.Module:
-    import dtensor_fsdp
-
-    for block in (model[0], model[2]):
-        dtensor_fsdp.fully_shard(block, mesh=mesh["data_parallel"])
-    dtensor_fsdp.fully_shard(model, mesh=mesh["data_parallel"])
-    return model
 
 
 def _setup(parallelize_fn: Callable[[nn.Module, Any], nn.Module]) -> tuple[Any, Any, Any]:
@@ -112,11 +99,11 @@ def _run(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from dtensor_fsdp.integrations import use_dtensor_fsdp
 
     results = {
-        "torch": _train(_torch_names, Path(root, "torch")),
-        "ours_unswitched": _train(_ours_directly, Path(root, "ours_unswitched")),
+        "torch": _train(parallelize_with_torch_names, Path(root, "torch")),
+        "ours_unswitched": _train(parallelize_with_ours, Path(root, "ours_unswitched")),
     }
     with use_dtensor_fsdp():
-        results["ours"] = _train(_torch_names, Path(root, "ours"))
+        results["ours"] = _train(parallelize_with_torch_names, Path(root, "ours"))
     return results
 
 
