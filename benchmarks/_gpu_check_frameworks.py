@@ -8,7 +8,7 @@
   the CPU tests drive its ``fsdp2_prepare_model`` directly
   (tests/integrations/test_accelerate.py).
 
-Importable without accelerate: the row reports that it skipped.
+Importable without accelerate: the row is then a SKIP (``Outcome.skip``).
 """
 
 import importlib.util
@@ -34,7 +34,7 @@ MAX_GRAD_NORM = 1.0
 def accelerate_fsdp2(spec: RankSpec) -> Outcome:
     outcome = Outcome()
     if importlib.util.find_spec("accelerate") is None:
-        outcome.notes.append("skipped: accelerate is not installed (pip install accelerate)")
+        outcome.skip("accelerate is not installed (pip install accelerate)")
         return outcome
     device = join_group(spec)
     # accelerate reads its process layout from the launcher's variables; the group is

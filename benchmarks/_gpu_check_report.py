@@ -3,12 +3,15 @@ outcomes become one verdict (``verdict_of``), the table, and the exit status.
 
 Verdicts: ``ok`` (every check passed), ``MISMATCH`` (a check failed on some rank: values,
 placements, memory), ``ERROR`` (the row raised, timed out, or was not run for lack of
-time), ``SKIP`` (the row needs CUDA and runs on CPU tensors). Timings never decide a
+time), ``SKIP`` (the row needs CUDA and runs on CPU tensors, or needs an optional
+package that is missing: ``Outcome.skip``). SKIP never fails a run, and the report's last
+line names the skipped rows, so a skip never reads as a pass. Timings never decide a
 verdict: they are reported.
 """
 
 import dataclasses
 import math
+from collections import Counter
 from typing import Any
 
 _DETAIL_WIDTH = 72  # the table's detail column; the full text comes before the table
@@ -33,9 +36,14 @@ class Outcome:
     other) and any other figure worth keeping in the JSON."""
     notes: list[str] = dataclasses.field(default_factory=list)
     """What is reported without a verdict (timings, figures)."""
+    skipped: str | None = None
+    """Why the rank ran nothing (an optional package missing): the row is a SKIP."""
 
     def check(self, name: str, ok: bool, detail: str) -> None:
         self.checks.append(Check(name, bool(ok), detail))
+
+    def skip(self, reason: str) -> None:
+        self.skipped = reason
 
 
 @dataclasses.dataclass
@@ -54,7 +62,8 @@ class RowResult:
 
 def verdict_of(outcomes: list[Outcome]) -> tuple[str, str]:
     """(verdict, detail) of a row from its ranks' outcomes, by rank: MISMATCH if any
-    check failed on any rank (the failures first, named by rank), else ok."""
+    check failed on any rank (the failures first, named by rank), else SKIP if a rank
+    skipped (its reason), else ok."""
     failed = [
         f"rank {rank}: {check.name}: {check.detail}" if len(outcomes) > 1 else
         f"{check.name}: {check.detail}"
@@ -64,6 +73,9 @@ def verdict_of(outcomes: list[Outcome]) -> tuple[str, str]:
     ]  # fmt: skip
     if failed:
         return "MISMATCH", "; ".join(failed)
+    reasons = [outcome.skipped for outcome in outcomes if outcome.skipped is not None]
+    if reasons:
+        return "SKIP", reasons[0]
     passed = [f"{check.name}: {check.detail}" for check in outcomes[0].checks]
     return "ok", "; ".join(passed + outcomes[0].notes)
 
@@ -91,10 +103,10 @@ def _short(text: str) -> str:
 
 
 def format_report(results: list[RowResult], detail_chars: int | None = None) -> str:
-    """Each row's detail (cut to ``detail_chars``), then one line per row: the table
-    ends the report, so the end of a long output still holds it. Ratios are ours over
-    the other (step time: median of interleaved steps; peak: allocated bytes over step
-    2)."""
+    """Each row's detail (cut to ``detail_chars``), then one line per row and a count
+    of the verdicts: the table ends the report, so the end of a long output still holds
+    it. Ratios are ours over the other (step time: median of interleaved steps; peak:
+    allocated bytes over step 2)."""
     text = []
     for r in results:
         detail = r.detail
@@ -115,11 +127,24 @@ def format_report(results: list[RowResult], detail_chars: int | None = None) -> 
     for row in [header, *lines]:
         cells = [cell.ljust(width) for cell, width in zip(row, widths)]
         text.append("  ".join([*cells, row[-1]]).rstrip())
+    text.extend(["", _summary(results)])
     return "\n".join(text)
 
 
+def _summary(results: list[RowResult]) -> str:
+    """One line: the count of each verdict, the skipped rows named (a skip is no pass)."""
+    counts = Counter(r.verdict for r in results)
+    skipped = ", ".join(r.name for r in results if r.verdict == "SKIP")
+    parts = [
+        f"{count} {verdict}" + (f" ({skipped})" if verdict == "SKIP" else "")
+        for verdict, count in counts.items()
+    ]
+    return f"{len(results)} rows: " + ", ".join(parts)
+
+
 def exit_status(results: list[RowResult]) -> int:
-    """1 if any row is MISMATCH or ERROR, else 0 (SKIP rows pass: they need CUDA)."""
+    """1 if any row is MISMATCH or ERROR, else 0: a SKIP (no CUDA, or an optional
+    package missing) must never fail a run."""
     return int(any(r.verdict in ("MISMATCH", "ERROR") for r in results))
 
 

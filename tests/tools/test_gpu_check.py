@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 # (spawn hands them this process's sys.path).
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import _gpu_check_frameworks as frameworks
 import _gpu_check_probes as probes
 import _gpu_check_rows as rows
 import gpu_check
@@ -112,7 +113,9 @@ mechanisms [SKIP]: needs CUDA
 row         layout    verdict   ours/torch  ours/plain  peak o/t  s   detail
 fp32        W=2 gloo  ok        0.999       1.021       1.000     12  ours = torch: bitwise
 offload     W=2 gloo  MISMATCH  -           -           -         12  ours offload: 2 misplaced: ['after fully_shard: tok_embeddings.weight...
-mechanisms  W=2 gloo  SKIP      -           -           -         12  needs CUDA""",
+mechanisms  W=2 gloo  SKIP      -           -           -         12  needs CUDA
+
+3 rows: 1 ok, 1 MISMATCH, 1 SKIP (mechanisms)""",
     )
 
 
@@ -128,6 +131,44 @@ def test_a_check_failing_on_one_rank_fails_the_row() -> None:
     assert (ok.verdict, ok.metrics) == ("ok", {"time_vs_torch": 1.0})
     assert exit_status([ok, _result("mechanisms", "SKIP", "needs CUDA")]) == 0
     assert exit_status([ok, _result("plan", "ERROR", "timed out")]) == 1
+
+
+def test_a_row_that_skips_is_a_visible_skip_and_passes() -> None:
+    # A missing optional package must neither fail the run nor read as a pass.
+    skipped = Outcome()
+    skipped.skip("accelerate is not installed (pip install accelerate)")
+    skip = row_result("accelerate", "W=1 NCCL", [skipped], 0.5)
+    assert (skip.verdict, skip.detail) == (
+        "SKIP", "accelerate is not installed (pip install accelerate)"
+    )  # fmt: skip
+    ok = row_result("fp32", "W=1 NCCL", [Outcome([Check("ours = torch", True, "bitwise")])], 1.0)
+    assert exit_status([ok, skip]) == 0
+    assert exit_status([ok, skip, _result("offload", "MISMATCH", "param w")]) == 1
+    assert_expected_inline(
+        format_report([ok, skip]),
+        """\
+fp32 [ok]: ours = torch: bitwise
+accelerate [SKIP]: accelerate is not installed (pip install accelerate)
+
+row         layout    verdict  ours/torch  ours/plain  peak o/t  s  detail
+fp32        W=1 NCCL  ok       -           -           -         1  ours = torch: bitwise
+accelerate  W=1 NCCL  SKIP     -           -           -         0  accelerate is not installed (pip install accelerate)
+
+2 rows: 1 ok, 1 SKIP (accelerate)""",
+    )
+
+
+def test_accelerate_row_skips_without_accelerate(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = frameworks.importlib.util.find_spec
+    monkeypatch.setattr(
+        frameworks.importlib.util, "find_spec",
+        lambda name, *args: None if name == "accelerate" else real_find_spec(name, *args),
+    )  # fmt: skip
+    spec = RankSpec(0, 1, "cuda", "nccl", "unused", "unused", quick=True)
+    result = row_result("accelerate", "W=1 NCCL", [frameworks.accelerate_fsdp2(spec)], 0.0)
+    assert (result.verdict, result.detail) == (
+        "SKIP", "accelerate is not installed (pip install accelerate)"
+    )  # fmt: skip
 
 
 def _record(param: torch.Tensor) -> Record:
