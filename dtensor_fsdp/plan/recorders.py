@@ -74,7 +74,16 @@ class FrozenSafeMemTracker(MemTracker):
 class PeakTracker(FrozenSafeMemTracker):
     """MemTracker that also records where its peak was reached (the innermost module
     running, and forward, backward or optimizer step) and a timeline of live bytes at
-    each module's forward and backward boundaries."""
+    each module's forward and backward boundaries.
+
+    "The innermost module running" is, among the modules ModTracker holds active at the
+    peak, the deepest in the module tree, and of equally deep ones the one entered
+    (forward or backward) last: the top of the call stack. Modules of one depth are
+    active together at a hand-off, e.g. in backward ``layers.0`` has begun while
+    ``layers.1`` has not yet finished; the one that has just begun is reported. The
+    tie is broken by entry order, never by ModTracker's set of names, whose order
+    depends on string hashing (``PYTHONHASHSEED``) and on the set's history.
+    """
 
     def __init__(self, root_name: str) -> None:
         super().__init__()
@@ -82,6 +91,10 @@ class PeakTracker(FrozenSafeMemTracker):
         self.peak_module = ""
         self.peak_phase = ""
         self.timeline: list[TimelinePoint] = []
+        # ModTracker's name -> the count of module entries when it was last entered,
+        # to break ties of depth.
+        self._entered: dict[str, int] = {}
+        self._entries = 0
 
     def restart_peak(self) -> None:
         """Start the peak afresh from the live bytes now (MemTracker has no public reset;
@@ -118,7 +131,9 @@ class PeakTracker(FrozenSafeMemTracker):
         names = [n for n in self._mod_tracker.parents if n != "Global"]
         if not names:
             return "(outside modules)"
-        return self._fqn(max(names, key=lambda n: n.count(".")))
+        # A name's dots are its depth ("Root.layers.0" is 2: layers, then 0); a name
+        # never entered through a hook sorts first among equals.
+        return self._fqn(max(names, key=lambda n: (n.count("."), self._entered.get(n, -1))))
 
     def _fqn(self, name: str) -> str:
         # ModTracker names the root by its class and the rest "Root.layers.0".
@@ -129,7 +144,15 @@ class PeakTracker(FrozenSafeMemTracker):
         if name is not None:
             self.timeline.append(TimelinePoint(self._fqn(name), event, self.live_bytes()))
 
+    def _enter(self, module: torch.nn.Module) -> None:
+        # Before MemTracker's hook, which may already update the peak.
+        name = self._mod_tracker.get_known_fqn(module)
+        if name is not None:
+            self._entries += 1
+            self._entered[name] = self._entries
+
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        self._enter(module)
         super()._pre_fw_hook(module, inputs)
         self._record(module, "pre_forward")
 
@@ -138,6 +161,8 @@ class PeakTracker(FrozenSafeMemTracker):
         self._record(module, "post_forward")
 
     def _pre_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if module is not None:
+            self._enter(module)
         super()._pre_bw_hook(module, args)
         if module is not None:
             self._record(module, "pre_backward")
