@@ -52,3 +52,20 @@ def parallelize_with_ours(model: nn.Module, mesh: Any) -> nn.Module:
         dtensor_fsdp.fully_shard(block, mesh=mesh["data_parallel"])
     dtensor_fsdp.fully_shard(model, mesh=mesh["data_parallel"])
     return model
+
+
+def launch_fabric(parallelize_fn: Any) -> Any:
+    """A launched Fabric on the harness's 2 gloo ranks (CPU), with Lightning's FSDP2
+    strategy calling ``parallelize_fn`` (data parallel only)."""
+    from lightning.fabric import Fabric  # optional: the tests skip without lightning
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(
+            parallelize_fn, data_parallel_size=2, tensor_parallel_size=1
+        ),
+    )
+    fabric.launch()
+    return fabric

@@ -19,7 +19,11 @@ import torch.nn as nn
 from tests._c10d import C10dRecorder, count_of
 from tests._harness import run_distributed
 from tests._mlp import mlp
-from tests.integrations._lightning import parallelize_with_ours, parallelize_with_torch_names
+from tests.integrations._lightning import (
+    launch_fabric,
+    parallelize_with_ours,
+    parallelize_with_torch_names,
+)
 
 pytest.importorskip("lightning", reason="Lightning Fabric is not installed (pip install lightning)")
 
@@ -27,17 +31,8 @@ STEPS, MICRO_BATCHES = 3, 2
 
 
 def _train(parallelize_fn: Callable[[nn.Module, Any], nn.Module]) -> dict[str, Any]:
-    from lightning.fabric import Fabric
-    from lightning.fabric.strategies import ModelParallelStrategy
 
-    fabric = Fabric(
-        accelerator="cpu",
-        devices=2,
-        strategy=ModelParallelStrategy(
-            parallelize_fn, data_parallel_size=2, tensor_parallel_size=1
-        ),
-    )
-    fabric.launch()
+    fabric = launch_fabric(parallelize_fn)
     model = fabric.setup_module(mlp())
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
     torch.manual_seed(1 + fabric.global_rank)

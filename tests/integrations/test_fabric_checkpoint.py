@@ -25,6 +25,7 @@ from tests._harness import run_distributed
 from tests._mlp import mlp
 from tests.integrations._lightning import (
     checkpoint_structure,
+    launch_fabric,
     lightning_environment,
     parallelize_with_ours,
     parallelize_with_torch_names,
@@ -36,18 +37,9 @@ STEPS, SAVED_AT = 4, 2  # the checkpoint is taken after step 2
 
 
 def _setup(parallelize_fn: Callable[[nn.Module, Any], nn.Module]) -> tuple[Any, Any, Any]:
-    from lightning.fabric import Fabric
-    from lightning.fabric.strategies import ModelParallelStrategy
 
     lightning_environment(dist.get_rank(), dist.get_world_size())
-    fabric = Fabric(
-        accelerator="cpu",
-        devices=2,
-        strategy=ModelParallelStrategy(
-            parallelize_fn, data_parallel_size=2, tensor_parallel_size=1
-        ),
-    )
-    fabric.launch()
+    fabric = launch_fabric(parallelize_fn)
     model = fabric.setup_module(mlp())
     # Adam: the checkpoint holds optimizer state (exp_avg, exp_avg_sq, step).
     optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.01))
