@@ -24,6 +24,8 @@ from .api import (
 )
 from .fsdp_module import FSDPModule, UnshardHandle
 from .fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
+from .graph.compile import compile
+from .graph.switch import disable_graph_mode, enable_graph_mode
 from .init.unsharded import init_unsharded
 from .io.state_dict import load_full_state_dict, save_full_state_dict
 from .observe.consistency import CollectiveMismatchError, NonFiniteGradError
@@ -33,6 +35,7 @@ from .plan import AutoPlan, Plan, auto_shard, plan
 
 __all__ = [
     "AllGather",
+    "AutoPlan",
     "CPUOffloadPolicy",
     "CollectiveMismatchError",
     "CommEvent",
@@ -47,12 +50,14 @@ __all__ = [
     "Muon",
     "NonFiniteGradError",
     "OffloadPolicy",
-    "AutoPlan",
     "Plan",
     "ReduceScatter",
     "UnshardHandle",
     "auto_shard",
     "clip_grad_norm_",
+    "compile",
+    "disable_graph_mode",
+    "enable_graph_mode",
     "fully_shard",
     "get_total_norm",
     "init_unsharded",

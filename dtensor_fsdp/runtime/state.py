@@ -207,7 +207,7 @@ class FSDPState:
                 # As DDP and torch's FSDP2: inputs may arrive on the host.
                 args, kwargs = inputs_to_device((args, kwargs), self.device)
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+            args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
         if not self.groups:
             return args, kwargs
         # fully_shard([a, b]): as torch's group hooks, the first module's forward starts
@@ -235,7 +235,7 @@ class FSDPState:
             # forward. See [Note: forward all-gather overlap].
             self.ctx.release_kept_all_gather()
         if self.mp_policy.output_dtype is not None:
-            output = _cast_floating(output, self.mp_policy.output_dtype)
+            output = cast_floating(output, self.mp_policy.output_dtype)
         if not self.groups or self._is_recomputing_in_backward():
             return output
         for group in self.groups:
@@ -389,7 +389,7 @@ def inputs_to_device(inputs: Any, device: torch.device) -> Any:
     return inputs
 
 
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """Cast every floating-point tensor in a pytree to ``dtype`` (a differentiable cast)."""
     return tree_map(
         lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,

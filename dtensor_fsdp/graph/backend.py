@@ -1,0 +1,149 @@
+"""The compile backends of graph mode, and the two graph passes they add.
+
+- `mark_reshard` (joint graph, before the forward/backward partition): the nodes of a
+  gather whose group reshards after forward (annotated by switch.py) become
+  ``MUST_RECOMPUTE``: the partitioner re-gathers them in backward instead of saving the
+  unsharded parameters, which is what ``reshard_after_forward=True`` means.
+- Bucketing (forward and backward graphs, torch's ``bucket_all_gather`` /
+  ``bucket_reduce_scatter``): consecutive gathers or reductions are merged into one
+  collective up to ``bucket_mb``; with inductor, its compute/communication reordering
+  also runs (``reorder_for_compute_comm_overlap``), so collectives overlap compute.
+
+``"inductor"`` runs torch's inductor with these passes through its config (patched for
+our compile only); ``"aot_eager"`` runs the same graphs without fusion, eagerly, op for
+op: the backend whose losses and gradients are bitwise the eager ones.
+"""
+
+import hashlib
+import inspect
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .switch import RESHARD_ANNOTATION
+
+BACKENDS = ("inductor", "aot_eager")
+_warned: set[str] = set()
+
+
+def mark_reshard(graph: fx.Graph) -> int:
+    """Mark the forward nodes of resharding gathers ``MUST_RECOMPUTE``; returns how many.
+    Forward nodes are those that do not depend on a tangent (a backward input)."""
+    backward: set[fx.Node] = set()
+    for node in graph.nodes:  # topological order: a node's inputs come before it
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+            arg in backward for arg in node.all_input_nodes
+        ):
+            backward.add(node)
+    marked = 0
+    for node in graph.nodes:
+        custom = node.meta.get("custom") or {}
+        if node.op == "call_function" and node not in backward and _is_resharding(custom):
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            marked += 1
+    return marked
+
+
+def _is_resharding(custom: dict) -> bool:
+    return all(custom.get(key) == value for key, value in RESHARD_ANNOTATION.items())
+
+
+class _MarkReshard(CustomGraphPass):
+    """`mark_reshard` as inductor's ``joint_custom_pre_pass`` (its uuid keys the cache)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        mark_reshard(graph)
+
+    def uuid(self) -> Any:
+        return hashlib.sha256(inspect.getsource(mark_reshard).encode()).hexdigest()
+
+
+def graph_backend(name: str, bucket_mb: float | None) -> Callable:
+    """The dynamo backend ``name`` (`BACKENDS`) with graph mode's passes; ``bucket_mb``:
+    the bucket size, None for no bucketing (and no reordering)."""
+    if name == "inductor":
+        return _inductor(bucket_mb)
+    if name == "aot_eager":
+        return _aot_eager(bucket_mb)
+    raise ValueError(f"graph mode's backend must be one of {BACKENDS}, not {name!r}")
+
+
+def _inductor(bucket_mb: float | None) -> Callable:
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+
+    patches: dict[str, Any] = {"joint_custom_pre_pass": _MarkReshard()}
+    if bucket_mb is not None:
+        wanted = {
+            "bucket_all_gathers_fx": "all",
+            "bucket_all_gathers_fx_bucket_size_determinator": _cap(bucket_mb),
+            "bucket_reduce_scatters_fx": "all",
+            "bucket_reduce_scatters_fx_bucket_size_determinator": _cap(bucket_mb),
+            "reorder_for_compute_comm_overlap": True,
+        }
+        for key, value in wanted.items():
+            if hasattr(config, key):
+                patches[key] = value
+            else:
+                _warn_once(f"this torch's inductor has no {key}: graph mode runs without it")
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    return backend
+
+
+def _aot_eager(bucket_mb: float | None) -> Callable:
+    from functorch.compile import make_boxed_func
+
+    def compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        if bucket_mb is not None:
+            bucket(gm, bucket_mb)
+        return make_boxed_func(gm.forward)
+
+    def partition(joint: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        mark_reshard(joint.graph)
+        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
+
+
+def bucket(gm: fx.GraphModule, bucket_mb: float) -> None:
+    """torch's all-gather and reduce-scatter bucketing on an aten graph, in place."""
+    from torch._inductor.fx_passes.bucketing import bucket_all_gather, bucket_reduce_scatter
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    bucket_all_gather(gm, _cap(bucket_mb))
+    bucket_reduce_scatter(gm, _cap(bucket_mb))
+    # A merged collective can sit after users of its first member: re-sort (as
+    # inductor's post-grad passes do after bucketing).
+    stable_topological_sort(gm.graph)
+    gm.recompile()
+
+
+@dataclass(frozen=True)
+class _BucketCap:
+    """Every bucket's size in MB (the passes ask per bucket index). A module-level
+    class, not a lambda: inductor pickles its config into the cache key."""
+
+    bucket_mb: float
+
+    def __call__(self, bucket_index: int) -> float:
+        return self.bucket_mb
+
+
+def _cap(bucket_mb: float) -> Callable[[int], float]:
+    return _BucketCap(bucket_mb)
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)

@@ -1,0 +1,311 @@
+"""Switching a model sharded by ``fully_shard`` between eager and graph mode.
+
+In graph mode nothing runs in hooks: every module that owns a sharded parameter gets
+a class with a property per parameter name, which returns the unsharded tensor while
+its FSDP module's forward runs and the sharded parameter otherwise; every FSDP module
+gets a forward that gathers its parameters (`gather.gather`, traceable), binds them,
+runs the original forward and unbinds them. The module keeps its sharded parameters
+registered, so ``parameters()``, state dicts, checkpoints, optimizers and the planner
+see exactly what they see in eager mode.
+
+The lifecycle of a parameter in graph mode, as the compiled graph runs it:
+sharded DTensor --(forward: gather)--> unsharded tensor, bound --(forward ends)-->
+unbound (freed after its last use; re-gathered in backward when the group reshards
+after forward: `backend.mark_reshard`) --(backward)--> gradient reduced and landed as
+the sharded DTensor's ``.grad``.
+
+Settings are read when graph mode is enabled: enable it again after changing one.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..runtime.collectives import ReductionPlan
+from ..runtime.param import FSDPParam
+from ..runtime.param_group import FSDPParamGroup
+from ..runtime.reduction.landing import NO_OVERFLOW_RISK
+from ..runtime.reduction.reduce_scatter import gradient_divisors
+from ..runtime.state import FSDPState, cast_floating, inputs_to_device, state_of, states_under
+from ..runtime.tensor_utils import contiguous_stride
+from .gather import GatherSpec, ReductionSpec, ShardSpec, gather
+
+# The graph nodes of a gather whose group reshards after forward carry this custom
+# annotation (``torch.fx.traceback.annotate``); `backend.mark_reshard` finds them.
+RESHARD_ANNOTATION = {"dtensor_fsdp": "reshard_after_forward"}
+_BOUND = "_dtensor_fsdp_unsharded"  # module.__dict__ key: {param name: unsharded tensor}
+_GRAPH = "_dtensor_fsdp_graph"  # an FSDP module's __dict__ key: its `ModuleGather`
+
+
+@dataclass(frozen=True)
+class BoundParam:
+    """Where one gathered tensor is bound, and how it is presented (TP: as a DTensor)."""
+
+    slots: tuple[tuple[nn.Module, str], ...]
+    fsdp_param: FSDPParam
+
+
+@dataclass(frozen=True)
+class ModuleGather:
+    """What one FSDP module's forward gathers, and how it treats inputs and outputs."""
+
+    gathers: tuple[tuple[GatherSpec, tuple[BoundParam, ...], bool], ...]  # (spec, params, reshard)
+    input_dtype: torch.dtype | None  # mixed precision's cast_forward_inputs
+    output_dtype: torch.dtype | None
+    input_device: torch.device | None  # the root moves host inputs to the mesh's device
+
+
+def enable_graph_mode(root: nn.Module) -> None:
+    """Switch ``root`` (the root of a ``fully_shard`` tree) and everything under it to
+    graph mode. Idempotent: enabling again re-reads the settings."""
+    root_state = state_of(root)
+    if root_state is None:
+        raise ValueError(
+            f"graph mode needs the root of a fully_shard tree; {type(root).__name__} was not "
+            "passed to fully_shard: call fully_shard(model) on it first"
+        )
+    states = states_under((root,))
+    for state in states:
+        _check_supported(state)
+    root_state.lazy_init()  # as eager's first forward: the root decides who is root
+    disable_graph_mode(root)
+    for state in states:
+        for handles in state.forward_hook_handles:
+            for handle in handles:
+                handle.remove()
+        state.forward_hook_handles.clear()
+        for module in state.modules:
+            module.__dict__[_GRAPH] = _module_gather(state, module, is_root=state is root_state)
+    for module in _graph_modules(states):
+        _swap_class(module)
+
+
+def disable_graph_mode(root: nn.Module) -> None:
+    """Back to eager mode: the original classes and FSDP's hooks."""
+    states = states_under((root,))
+    for module in _graph_modules(states):
+        original = getattr(type(module), "_dtensor_fsdp_eager_class", None)
+        if original is not None:
+            module.__class__ = original
+        module.__dict__.pop(_BOUND, None)
+    for state in states:
+        was_graph = False
+        for module in state.modules:
+            was_graph |= module.__dict__.pop(_GRAPH, None) is not None
+        if was_graph:
+            state.register_hooks()
+
+
+def is_graph_mode(module: nn.Module) -> bool:
+    return _GRAPH in module.__dict__
+
+
+def gather_specs(root: nn.Module) -> list[GatherSpec]:
+    """The gathers of every FSDP module under ``root`` in graph mode."""
+    return [
+        spec
+        for module in root.modules()
+        if _GRAPH in module.__dict__
+        for spec, _, _ in module.__dict__[_GRAPH].gathers
+    ]
+
+
+def _graph_modules(states: list[FSDPState]) -> list[nn.Module]:
+    """Every module whose class graph mode swaps: FSDP modules and owners of params."""
+    seen: dict[int, nn.Module] = {}
+    for state in states:
+        for module in state.modules:
+            seen[id(module)] = module
+        for fsdp_param in state.fsdp_params():
+            for slot in fsdp_param.slots:
+                seen[id(slot.module)] = slot.module
+    return list(seen.values())
+
+
+def _check_supported(state: FSDPState) -> None:
+    """Features of the eager runtime graph mode does not have yet: a clear error."""
+    for group in state.groups:
+        reduction = group.reduction
+        unsupported = {
+            "CPU offload (offload_policy)": group.offload is not None,
+            "set_custom_all_gather": group.custom_all_gather is not None,
+            "set_custom_reduce_scatter": reduction.custom_reduce_scatter is not None,
+            "set_comm_precision": reduction.comm_precision is not None,
+            "set_all_reduce_hook": reduction.all_reduce_hook is not None,
+            "an all-gather extension (fsdp_pre_all_gather)": any(
+                p.extension is not None for p in group.fsdp_params
+            ),
+        }
+        for feature, used in unsupported.items():
+            if used:
+                raise NotImplementedError(
+                    f"graph mode does not support {feature} yet (fully_shard module "
+                    f"{group.fqn or type(group.modules[0]).__name__!r}): use eager mode "
+                    "for this model, or turn it off"
+                )
+
+
+def _module_gather(state: FSDPState, module: nn.Module, is_root: bool) -> ModuleGather:
+    gathers = []
+    for group in state.groups:
+        # fully_shard([a, b]): each module gathers the parameters under it.
+        params = [p for p in group.fsdp_params if _owned_by(p, module)]
+        if not params:
+            continue
+        spec = GatherSpec(
+            shards=tuple(_shard_spec(p) for p in params),
+            group=group.mesh_info.shard_group.group_name,
+            world_size=group.mesh_info.shard_size,
+            reduction=_reduction_spec(group, params),
+        )
+        bound = tuple(BoundParam(tuple((s.module, s.name) for s in p.slots), p) for p in params)
+        # As torch's FSDP2, the root keeps its parameters for the backward that follows.
+        reshard = bool(group.reshard_after_forward) and not is_root
+        gathers.append((spec, bound, reshard))
+    policy = state.mp_policy
+    return ModuleGather(
+        gathers=tuple(gathers),
+        input_dtype=policy.param_dtype if policy and policy.cast_forward_inputs else None,
+        output_dtype=policy.output_dtype if policy else None,
+        input_device=state.device if is_root and state.device.type not in ("cpu", "meta") else None,
+    )
+
+
+def _owned_by(fsdp_param: FSDPParam, module: nn.Module) -> bool:
+    under = {id(m) for m in module.modules()}
+    return any(id(slot.module) in under for slot in fsdp_param.slots)
+
+
+def _shard_spec(fsdp_param: FSDPParam) -> ShardSpec:
+    geometry = fsdp_param.geometry
+    return ShardSpec(
+        local_shape=tuple(geometry.local_shape),
+        padded_local_shape=tuple(geometry.padded_local_shape),
+        shape=tuple(fsdp_param.shape),
+        dim=geometry.dim,
+        dtype=fsdp_param.dtype,
+        gather_dtype=fsdp_param.param_dtype,
+    )
+
+
+def _reduction_spec(group: FSDPParamGroup, params: list[FSDPParam]) -> ReductionSpec:
+    """The eager reduction's choices for ``group`` (gradient_reduction.py), fixed."""
+    reduction = group.reduction
+    mesh_info = group.mesh_info
+    reduce_dtype = params[0].reduce_dtype
+    replicate_group = mesh_info.replicate_group if mesh_info.is_hsdp else None
+    plan = ReductionPlan.choose(
+        reduction.reduce_scatter_group,
+        replicate_group,
+        group.device,
+        prefer_average=reduction.gradient_divide_factor is None
+        and not reduction.force_sum_reduction
+        and reduce_dtype in NO_OVERFLOW_RISK,
+        custom=None,
+    )
+    pre_divisor, post_divisor = gradient_divisors(
+        plan,
+        reduce_dtype,
+        reduction.gradient_divide_factor,
+        mesh_info.shard_size,
+        mesh_info.replicate_size,
+    )
+    all_reduce = replicate_group is not None and reduction.requires_all_reduce
+    return ReductionSpec(
+        reduce_dtype=reduce_dtype,
+        use_all_to_all=plan.use_all_to_all,
+        reduce_scatter_op="avg" if plan.average_in_reduce_scatter else "sum",
+        pre_divisor=pre_divisor,
+        post_divisor=post_divisor,
+        replicate_group=replicate_group.group_name if all_reduce else None,
+        replicate_size=mesh_info.replicate_size if all_reduce else 1,
+        all_reduce_op="avg" if plan.average_in_all_reduce else "sum",
+    )
+
+
+# Class swaps #
+
+_GRAPH_CLASSES: dict[tuple[type, tuple[str, ...], bool], type] = {}
+
+
+def _swap_class(module: nn.Module) -> None:
+    cls = type(module)
+    names = tuple(sorted(_bindable_names(module)))
+    is_fsdp = _GRAPH in module.__dict__
+    key = (cls, names, is_fsdp)
+    if key not in _GRAPH_CLASSES:
+        namespace: dict[str, Any] = {name: _bound_property(name) for name in names}
+        namespace["_dtensor_fsdp_eager_class"] = cls
+        if is_fsdp:
+            namespace["forward"] = _graph_forward(cls.forward)
+        _GRAPH_CLASSES[key] = type(f"Graph{cls.__name__}", (cls,), namespace)
+    module.__class__ = _GRAPH_CLASSES[key]
+
+
+def _bindable_names(module: nn.Module) -> list[str]:
+    return [name for name, p in module._parameters.items() if isinstance(p, DTensor)]
+
+
+def _bound_property(name: str) -> property:
+    def get(module: nn.Module) -> torch.Tensor:
+        bound = module.__dict__.get(_BOUND)
+        if bound is not None and name in bound:
+            return bound[name]
+        return module._parameters[name]
+
+    return property(get, doc=f"{name}: unsharded during its FSDP module's forward")
+
+
+def _graph_forward(forward: Any) -> Any:
+    def graph_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        plan: ModuleGather = self.__dict__[_GRAPH]
+        if plan.input_device is not None:
+            args, kwargs = inputs_to_device((args, kwargs), plan.input_device)
+        if plan.input_dtype is not None:
+            args, kwargs = cast_floating((args, kwargs), plan.input_dtype)
+        bound = _bind(plan)
+        try:
+            output = forward(self, *args, **kwargs)
+        finally:
+            for module, name in bound:
+                module.__dict__[_BOUND].pop(name, None)
+        if plan.output_dtype is not None:
+            output = cast_floating(output, plan.output_dtype)
+        return output
+
+    return graph_forward
+
+
+def _bind(plan: ModuleGather) -> list[tuple[nn.Module, str]]:
+    bound = []
+    for spec, params, reshard in plan.gathers:
+        shards = [p.slots[0][0]._parameters[p.slots[0][1]].to_local() for p in params]
+        if reshard:
+            with torch.fx.traceback.annotate(RESHARD_ANNOTATION):
+                unsharded = gather(spec, shards)
+        else:
+            unsharded = gather(spec, shards)
+        for param, tensor in zip(params, unsharded):
+            value = _presented(param.fsdp_param, tensor)
+            for module, name in param.slots:
+                module.__dict__.setdefault(_BOUND, {})[name] = value
+                bound.append((module, name))
+    return bound
+
+
+def _presented(fsdp_param: FSDPParam, tensor: torch.Tensor) -> torch.Tensor:
+    """The unsharded tensor as eager presents it: for TP, a DTensor on the TP mesh."""
+    layout = fsdp_param.layout
+    if layout.unsharded_mesh is None:
+        return tensor
+    return DTensor.from_local(
+        tensor,
+        layout.unsharded_mesh,
+        layout.unsharded_placements,
+        run_check=False,
+        shape=fsdp_param.global_shape,
+        stride=contiguous_stride(fsdp_param.global_shape),
+    )
