@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
@@ -65,13 +66,18 @@ class _MarkReshard(CustomGraphPass):
         return hashlib.sha256(inspect.getsource(mark_reshard).encode()).hexdigest()
 
 
-def graph_backend(name: str, bucket_mb: float | None) -> Callable:
+def graph_backend(
+    name: str, bucket_mb: float | None, inspect: Callable[[fx.GraphModule], None] | None = None
+) -> Callable:
     """The dynamo backend ``name`` (`BACKENDS`) with graph mode's passes; ``bucket_mb``:
-    the bucket size, None for no bucketing (and no reordering)."""
+    the bucket size, None for no bucketing (and no reordering). ``inspect`` (aot_eager
+    only): called with each forward and backward graph as it will run."""
     if name == "inductor":
+        if inspect is not None:
+            raise ValueError("inspect is for the aot_eager backend, whose graphs run as seen")
         return _inductor(bucket_mb)
     if name == "aot_eager":
-        return _aot_eager(bucket_mb)
+        return _aot_eager(bucket_mb, inspect)
     raise ValueError(f"graph mode's backend must be one of {BACKENDS}, not {name!r}")
 
 
@@ -100,12 +106,14 @@ def _inductor(bucket_mb: float | None) -> Callable:
     return backend
 
 
-def _aot_eager(bucket_mb: float | None) -> Callable:
-    from functorch.compile import make_boxed_func
-
+def _aot_eager(
+    bucket_mb: float | None, inspect: Callable[[fx.GraphModule], None] | None
+) -> Callable:
     def compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         if bucket_mb is not None:
             bucket(gm, bucket_mb)
+        if inspect is not None:
+            inspect(gm)
         return make_boxed_func(gm.forward)
 
     def partition(joint: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:

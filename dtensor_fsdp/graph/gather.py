@@ -168,7 +168,8 @@ def _reduce_scatter(reduce_input: torch.Tensor, spec: GatherSpec) -> torch.Tenso
         return reduce_input.view(-1)
     flat = reduce_input.reshape(-1)
     if spec.reduction.use_all_to_all:
-        received = _ops.wait_tensor(_ops.all_to_all_single(flat, None, None, spec.group))
+        splits = [flat.numel() // world_size] * world_size
+        received = _ops.wait_tensor(_ops.all_to_all_single(flat, splits, splits, spec.group))
         return received.view(world_size, -1).sum(dim=0)
     return _ops.wait_tensor(
         _ops.reduce_scatter_tensor(flat, spec.reduction.reduce_scatter_op, world_size, spec.group)

@@ -36,7 +36,6 @@ from .gather import GatherSpec, ReductionSpec, ShardSpec, gather
 # The graph nodes of a gather whose group reshards after forward carry this custom
 # annotation (``torch.fx.traceback.annotate``); `backend.mark_reshard` finds them.
 RESHARD_ANNOTATION = {"dtensor_fsdp": "reshard_after_forward"}
-_BOUND = "_dtensor_fsdp_unsharded"  # module.__dict__ key: {param name: unsharded tensor}
 _GRAPH = "_dtensor_fsdp_graph"  # an FSDP module's __dict__ key: its `ModuleGather`
 
 
@@ -67,10 +66,12 @@ def enable_graph_mode(root: nn.Module) -> None:
             f"graph mode needs the root of a fully_shard tree; {type(root).__name__} was not "
             "passed to fully_shard: call fully_shard(model) on it first"
         )
+    # As eager's first forward: the root decides who is root, and names the groups
+    # (errors below name them).
+    root_state.lazy_init()
     states = states_under((root,))
     for state in states:
         _check_supported(state)
-    root_state.lazy_init()  # as eager's first forward: the root decides who is root
     disable_graph_mode(root)
     for state in states:
         for handles in state.forward_hook_handles:
@@ -89,8 +90,9 @@ def disable_graph_mode(root: nn.Module) -> None:
     for module in _graph_modules(states):
         original = getattr(type(module), "_dtensor_fsdp_eager_class", None)
         if original is not None:
+            for name in _bindable_names(module):
+                module.__dict__.pop(_bound_attribute(name), None)
             module.__class__ = original
-        module.__dict__.pop(_BOUND, None)
     for state in states:
         was_graph = False
         for module in state.modules:
@@ -162,8 +164,8 @@ def _module_gather(state: FSDPState, module: nn.Module, is_root: bool) -> Module
             reduction=_reduction_spec(group, params),
         )
         bound = tuple(BoundParam(tuple((s.module, s.name) for s in p.slots), p) for p in params)
-        # As torch's FSDP2, the root keeps its parameters for the backward that follows.
-        reshard = bool(group.reshard_after_forward) and not is_root
+        # lazy_init already cleared it for a root left to decide (torch's default).
+        reshard = bool(group.reshard_after_forward)
         gathers.append((spec, bound, reshard))
     policy = state.mp_policy
     return ModuleGather(
@@ -238,6 +240,7 @@ def _swap_class(module: nn.Module) -> None:
     key = (cls, names, is_fsdp)
     if key not in _GRAPH_CLASSES:
         namespace: dict[str, Any] = {name: _bound_property(name) for name in names}
+        namespace.update({_bound_attribute(name): None for name in names})
         namespace["_dtensor_fsdp_eager_class"] = cls
         if is_fsdp:
             namespace["forward"] = _graph_forward(cls.forward)
@@ -249,12 +252,20 @@ def _bindable_names(module: nn.Module) -> list[str]:
     return [name for name, p in module._parameters.items() if isinstance(p, DTensor)]
 
 
+def _bound_attribute(name: str) -> str:
+    """The instance attribute that holds parameter ``name``'s unsharded tensor while its
+    FSDP module's forward runs (None otherwise: the class default). A plain attribute,
+    set and reset with ``setattr``: what dynamo traces on every torch we support (it
+    cannot trace edits of ``module.__dict__`` on 2.11)."""
+    return f"_dtensor_fsdp_unsharded_{name}"
+
+
 def _bound_property(name: str) -> property:
+    attribute = _bound_attribute(name)
+
     def get(module: nn.Module) -> torch.Tensor:
-        bound = module.__dict__.get(_BOUND)
-        if bound is not None and name in bound:
-            return bound[name]
-        return module._parameters[name]
+        bound = getattr(module, attribute)
+        return bound if bound is not None else module._parameters[name]
 
     return property(get, doc=f"{name}: unsharded during its FSDP module's forward")
 
@@ -271,7 +282,7 @@ def _graph_forward(forward: Any) -> Any:
             output = forward(self, *args, **kwargs)
         finally:
             for module, name in bound:
-                module.__dict__[_BOUND].pop(name, None)
+                setattr(module, _bound_attribute(name), None)
         if plan.output_dtype is not None:
             output = cast_floating(output, plan.output_dtype)
         return output
@@ -291,7 +302,7 @@ def _bind(plan: ModuleGather) -> list[tuple[nn.Module, str]]:
         for param, tensor in zip(params, unsharded):
             value = _presented(param.fsdp_param, tensor)
             for module, name in param.slots:
-                module.__dict__.setdefault(_BOUND, {})[name] = value
+                setattr(module, _bound_attribute(name), value)
                 bound.append((module, name))
     return bound
 
