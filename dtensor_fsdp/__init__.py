@@ -27,6 +27,7 @@ from .fully_shard import fully_shard, register_fsdp_forward_method, share_comm_c
 from .init.unsharded import init_unsharded
 from .io.state_dict import load_full_state_dict, save_full_state_dict
 from .observe.consistency import CollectiveMismatchError, NonFiniteGradError
+from .observe.flight_recorder import CollectiveStragglerWarning
 from .observe.trace import CommEvent, CommTrace, DeviceTiming, LifecycleEvent
 from .optim import Muon, clip_grad_norm_, get_total_norm, split_muon_params, step_on_local_shards
 from .plan import AutoPlan, Plan, auto_shard, plan
@@ -35,6 +36,7 @@ __all__ = [
     "AllGather",
     "CPUOffloadPolicy",
     "CollectiveMismatchError",
+    "CollectiveStragglerWarning",
     "CommEvent",
     "CommPrecisionPolicy",
     "CommTrace",
