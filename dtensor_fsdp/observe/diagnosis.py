@@ -22,6 +22,7 @@ from typing import Any
 from .consistency import CollectiveSignature, mismatch_hint
 
 # A record's entry as published: group, seq, fqn, phase, kind, nbytes, step, state, age.
+_BEFORE = 2  # collectives shown before the current one of a rank that answered
 _FIELDS = ("group", "seq", "fqn", "phase", "kind", "nbytes", "step", "state", "age_s")
 
 
@@ -172,10 +173,17 @@ def _stopped_line(missing: list[int], answer_timeout_s: float) -> str:
 def _stopped_message(
     records: dict[int, RankRecord], missing: list[int], answer_timeout_s: float
 ) -> str:
-    lines = "\n".join(f"  rank {rank}: {r.describe()}" for rank, r in sorted(records.items()))
+    # The collectives before: gloo may let the diverged one through on the rank that
+    # received less than it expected, and fail only the next.
+    lines = []
+    for rank, record in sorted(records.items()):
+        lines.append(f"  rank {rank}: {record.describe()}")
+        current = record.current() or (record.entries[-1] if record.entries else None)
+        before = record.entries[: record.entries.index(current)] if current else []
+        lines += [f"    after {entry.describe()}" for entry in reversed(before[-_BEFORE:])]
     return (
         f"FSDP collective failed: {_stopped_line(missing, answer_timeout_s)}. "
-        f"What the other ranks were issuing:\n{lines}"
+        "What the other ranks were issuing, latest first:\n" + "\n".join(lines)
     )
 
 
