@@ -34,6 +34,7 @@ from .flight_recorder import FlightRecorder
 DEFAULT_DEADLINE = timedelta(seconds=60)
 MAX_ANSWER_TIMEOUT = timedelta(seconds=5)
 _FOREVER = timedelta(days=365)
+_JOIN_TIMEOUT_S = 2.0  # a thread in a comparison may be waiting for answers
 _COMPARE, _STOP = b"compare", b"stop"
 
 
@@ -82,12 +83,16 @@ class Watchdog:
             pass  # the store is gone: the job is ending
 
     def close(self) -> None:
-        """Stop the thread (its root is gone, or another watchdog replaces it)."""
+        """Stop the thread and wait for it: its root is gone, another watchdog replaces
+        it, or the interpreter exits (``weakref.finalize`` runs this at exit too: a
+        thread still inside a store call while the process tears down aborts it)."""
         self._stopped.set()
         try:
             self._store.set(f"r{self._round}/wake{self._rank}", _STOP)
         except (RuntimeError, ValueError):
-            pass  # the store is gone, and the thread with it
+            return  # the store is gone, and the thread with it
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=_JOIN_TIMEOUT_S)
 
     def _run(self) -> None:
         store = self._thread_store
