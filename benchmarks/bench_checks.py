@@ -1,22 +1,32 @@
 """What the failure checks cost: step time with the divergence check and the non-finite
-gradient guard on, against ours with both off and torch's ``fully_shard``, in one run.
+gradient guard on, and with the default collective watchdog off, against the defaults
+and torch's ``fully_shard``, in one run.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_checks.py                 # small, CPU/gloo
-    torchrun --nproc-per-node 2 benchmarks/bench_checks.py --model tiny --steps 30
+    torchrun --nproc-per-node 2 benchmarks/bench_checks.py --steps 60      # small, CPU/gloo
+    torchrun --nproc-per-node 2 benchmarks/bench_checks.py --model tiny --steps 60
 
 The model, data, optimizer and timing method are ``bench_train.py``'s (same flags):
 interleaved rounds, one step per configuration per round, each step timed on its
 slowest rank. Configurations:
 
-- ``ours``: ``dtensor_fsdp.fully_shard``, checks off (the default);
+- ``ours``: ``dtensor_fsdp.fully_shard``, the defaults: checks off, the collective
+  watchdog (flight recorder) on;
+- ``ours-watchdog``: ``set_collective_watchdog(False)``: nothing recorded;
 - ``ours+divergence``: ``set_divergence_check(True)``;
 - ``ours+nonfinite``: ``set_nonfinite_grad_check(True)``;
 - ``ours+both``: both;
 - ``torch``: ``torch.distributed.fsdp.fully_shard``, for scale.
 
 The checks change no arithmetic: every configuration of ours must print the same
-losses (checked). It also counts the check's all-gathers per step at the c10d level.
+losses (checked). Per configuration it also counts, over one step: the check's
+all-gathers and all collectives at the c10d level, the c10d store calls (the default's
+hot path must make none: its records are compared only when a wait outlasts the
+deadline), and the Python calls (cProfile, deterministic), whose difference between
+``ours`` and ``ours-watchdog`` is what the default adds per step.
 """
+
+import cProfile
+import pstats
 
 import dataclasses
 import gc
@@ -36,22 +46,52 @@ from bench_train import (  # same directory
 )
 from torch.distributed.device_mesh import init_device_mesh
 
-CONFIGS = {
-    "ours": (False, False),
-    "ours+divergence": (True, False),
-    "ours+nonfinite": (False, True),
-    "ours+both": (True, True),
+CONFIGS = {  # (divergence check, non-finite check, watchdog)
+    "ours": (False, False, True),
+    "ours-watchdog": (False, False, False),
+    "ours+divergence": (True, False, True),
+    "ours+nonfinite": (False, True, True),
+    "ours+both": (True, True, True),
 }
+# The c10d Store methods, as cProfile names pybind's methods (by module, not class:
+# ``wait`` is left out, as Work.wait has the same name; so the count is a lower bound,
+# and the watchdog's only wait is in its own thread, which cProfile does not see).
+STORE_METHODS = (
+    "set", "get", "check", "add", "multi_set", "multi_get", "compare_set", "delete_key",
+    "append", "num_keys", "queue_push", "queue_pop",
+)  # fmt: skip
+STORE_CALL_NAMES = {f"<built-in method torch._C._distributed_c10d.{m}>" for m in STORE_METHODS}
 
 
 def build(name: str, config, mesh, device, args) -> Impl:
     if name == "torch":
         return build_impl("torch", config, mesh, device, args)
     impl = build_impl("ours", config, mesh, device, args)
-    divergence, nonfinite = CONFIGS[name]
+    divergence, nonfinite, watchdog = CONFIGS[name]
     impl.model.set_divergence_check(divergence)
     impl.model.set_nonfinite_grad_check(nonfinite)
+    impl.model.set_collective_watchdog(watchdog)
     return dataclasses.replace(impl, name=name)
+
+
+def count_step(impl: Impl, config, args, device) -> dict[str, int]:
+    """One step's Python calls, c10d store calls and collectives (all kinds)."""
+    profiler = cProfile.Profile()
+    with C10dRecorder() as recorder:
+        profiler.enable()
+        train_step(impl, config, args, device)
+        profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    store_calls = sum(
+        calls
+        for (_, _, name), (_, calls, *_) in stats.items()
+        if name in STORE_CALL_NAMES
+    )
+    return {
+        "python_calls": pstats.Stats(profiler).total_calls,  # type: ignore[attr-defined]
+        "store_calls": store_calls,
+        "collectives": len(recorder.records),
+    }
 
 
 def check_all_gathers_per_step(impl: Impl, config, args, device) -> int:
@@ -76,6 +116,7 @@ def main() -> None:
         checks = {
             impl.name: check_all_gathers_per_step(impl, config, args, device) for impl in impls
         }
+        counts = {impl.name: count_step(impl, config, args, device) for impl in impls}
         if dist.get_rank() == 0:
             for name in CONFIGS:
                 assert losses[name] == losses["ours"], f"{name} changed the losses"
@@ -85,15 +126,28 @@ def main() -> None:
                     "median_step_ms": 1e3 * statistics.median(times[name]),
                     "ratio_to_ours": statistics.median(times[name]) / base,
                     "check_all_gathers_per_step": checks[name],
+                    **counts[name],
                 }
                 for name in names
             }
-            print(f"{'config':<18}{'step ms':>10}{'vs ours':>10}{'checks/step':>13}")
+            header = f"{'config':<18}{'step ms':>10}{'vs ours':>10}{'checks/step':>13}"
+            print(header + f"{'collectives':>13}{'store calls':>13}{'py calls':>10}")
             for name, row in results.items():
                 print(
                     f"{name:<18}{row['median_step_ms']:>10.2f}{row['ratio_to_ours']:>10.3f}"
-                    f"{row['check_all_gathers_per_step']:>13}"
+                    f"{row['check_all_gathers_per_step']:>13}{row['collectives']:>13}"
+                    f"{row['store_calls']:>13}{row['python_calls']:>10}"
                 )
+            on, off = counts["ours"], counts["ours-watchdog"]
+            added = on["python_calls"] - off["python_calls"]
+            print(
+                f"default watchdog: +{added} Python calls per step "
+                f"({100 * added / on['python_calls']:.2f}% of the step's), "
+                f"{on['collectives'] - off['collectives']} more collectives, "
+                f"{on['store_calls']} store calls; step time "
+                f"{statistics.median(times['ours']) / statistics.median(times['ours-watchdog']):.3f}x"
+                f" of watchdog off (medians of {len(times['ours'])} interleaved steps)"
+            )
             print("BENCH_JSON " + json.dumps({"model": args.model, "results": results}), flush=True)
         del impls
     finally:

@@ -29,6 +29,7 @@ from .graph.switch import disable_graph_mode, enable_graph_mode
 from .init.unsharded import init_unsharded
 from .io.state_dict import load_full_state_dict, save_full_state_dict
 from .observe.consistency import CollectiveMismatchError, NonFiniteGradError
+from .observe.flight_recorder import CollectiveStragglerWarning
 from .observe.trace import CommEvent, CommTrace, DeviceTiming, LifecycleEvent
 from .optim import Muon, clip_grad_norm_, get_total_norm, split_muon_params, step_on_local_shards
 from .plan import AutoPlan, Plan, auto_shard, plan
@@ -38,6 +39,7 @@ __all__ = [
     "AutoPlan",
     "CPUOffloadPolicy",
     "CollectiveMismatchError",
+    "CollectiveStragglerWarning",
     "CommEvent",
     "CommPrecisionPolicy",
     "CommTrace",

@@ -18,7 +18,9 @@ from .api import (
 )
 from .io.state_dict import residual_states, validate_state_dict
 from .observe.consistency import CollectiveCheck
+from .observe.flight_recorder import FlightRecorder
 from .observe.trace import CommTrace, TraceObserver
+from .observe.watchdog import DEFAULT_DEADLINE, watchdog_factory
 from .runtime.param_group import FSDPParamGroup
 from .runtime.reduction.error_feedback import attribute_tree
 from .runtime.state import FSDPState, assign_fqns, max_in_flight_reduce_scatters, state_of
@@ -306,12 +308,56 @@ class FSDPModule:
         timeout = checks.timeout if isinstance(checks, CollectiveCheck) else None
         state.set_check(_collective_check(state, signatures, enabled, timeout))
 
+    def set_collective_watchdog(
+        self, enabled: bool = True, *, deadline: timedelta | float = DEFAULT_DEADLINE
+    ) -> None:
+        """Bound how long a rank waits in an FSDP collective. On by default, with a
+        60 s deadline: every rank records its FSDP collectives in a ring buffer (no
+        communication: about 0.1% of a step's host calls), and a host wait that lasts
+        ``deadline`` makes every rank publish its records through the c10d store and
+        compare them. Diverged ranks (a block skipped, a parameter unused on some ranks
+        only) then raise ``CollectiveMismatchError`` on every rank, naming which rank
+        diverged, where (module, phase, step) and what each rank was doing; a rank
+        the backend killed is named as the one that stopped answering; a rank that is
+        merely behind gets a ``CollectiveStragglerWarning`` and the wait goes on. The
+        wait is bounded on the host (CPU tensors: gloo); on an accelerator the
+        collectives are recorded and compared when another rank asks. Call it on the
+        root, on every rank, in the same order. dtensor_fsdp only: torch's FSDP2 waits
+        for the backend's timeout (``set_divergence_check`` is the strict check before
+        every collective).
+
+        Args:
+            enabled: record and watch (``True``, the default) or neither.
+            deadline: how long (seconds or a ``timedelta``) a host waits in one
+                collective before the ranks compare records. Far below the process
+                group's timeout (NCCL's default is 10 minutes); long enough for a
+                legitimately slow collective, which only draws a warning anyway.
+
+        Raises:
+            ValueError: ``deadline`` is not positive.
+        """
+        if isinstance(deadline, (int, float)):
+            deadline = timedelta(seconds=deadline)
+        if deadline <= timedelta(0):
+            raise ValueError(
+                f"set_collective_watchdog: deadline must be positive, got {deadline}: pass "
+                "seconds, e.g. 60.0 (the default), or set_collective_watchdog(False)"
+            )
+        state = self._root_state_for_checks()
+        state.make_watchdog = watchdog_factory(deadline) if enabled else None
+        if state.ctx is None:
+            return  # lazy init builds it
+        if isinstance(state.watchdog, FlightRecorder) and state.watchdog.stop_watchdog:
+            state.watchdog.stop_watchdog()
+        state.set_watchdog(state.make_watchdog(state) if state.make_watchdog else None)
+
     def _root_state_for_checks(self) -> FSDPState:
         # Before lazy init the root is not known yet: it reads its own settings then.
         state = self._get_fsdp_state()
         if state.ctx is not None and not state.is_root:
             raise ValueError(
-                "set_divergence_check / set_nonfinite_grad_check apply to a whole FSDP "
+                "set_divergence_check / set_nonfinite_grad_check / set_collective_watchdog "
+                "apply to a whole FSDP "
                 "tree: call them on its root module, the one whose forward runs first"
             )
         return state

@@ -20,6 +20,7 @@ from .api import (
 )
 from .fsdp_module import FSDPModule
 from .io.state_dict import register_state_dict_hooks
+from .observe.watchdog import watchdog_factory
 from .runtime.mesh import (
     post_forward_mesh_info,
 )
@@ -173,6 +174,8 @@ def fully_shard(
     for m in modules:
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _fsdp_class_of(type(m))
+    # On by default: see FSDPModule.set_collective_watchdog (a root reads its own).
+    state.make_watchdog = watchdog_factory()
     state.register_hooks()
     register_state_dict_hooks(state)
     return module

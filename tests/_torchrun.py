@@ -35,17 +35,18 @@ def free_port() -> int:
 
 def torchrun(
     script: Path, *args: str, log: Path, nproc: int = 2, deadline_s: float = 60.0,
-    max_restarts: int = 0,
+    max_restarts: int = 0, monitor_interval_s: float = 0.5, share_store: bool = False,
 ) -> Launch:  # fmt: skip
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
         "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-        "--monitor-interval", "0.5", str(script), *args,
+        "--monitor-interval", str(monitor_interval_s), str(script), *args,
     ]  # fmt: skip
     env = {
         **os.environ,
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        # The workers' store lives in rank 0, unless shared (the launcher's own).
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0" if share_store else "1",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(REPO),
     }

@@ -250,20 +250,25 @@ def _mismatch_message(ranks: list[int], signatures: list[CollectiveSignature]) -
         f"  rank {rank}: {signature.describe()}"
         for rank, signature in zip(ranks, signatures, strict=True)
     )
-    hint = (
-        "The control flow differs between ranks: every rank must run the same "
-        "fully_shard modules in the same order (a module skipped on some ranks only "
-        "must still run, e.g. on a dummy input)."
+    return (
+        "FSDP ranks diverged: they were about to issue different collectives:\n"
+        f"{per_rank}\n{mismatch_hint(signatures)}"
     )
+
+
+def mismatch_hint(signatures: list[CollectiveSignature]) -> str:
+    """The likely cause and fix of ranks issuing ``signatures`` at one collective."""
     same_site = {(s.seq, s.fqn, s.kind) for s in signatures}
     if len(same_site) == 1 and signatures[0].kind == "reduce_scatter":
-        hint = (
+        return (
             "Some ranks left parameters of this module without a gradient (unused on "
             "those ranks only): call model.set_reduce_scatter_unused_params(True) so "
             "every rank reduces zeros for them, or make every rank use them."
         )
     return (
-        f"FSDP ranks diverged: they were about to issue different collectives:\n{per_rank}\n{hint}"
+        "The control flow differs between ranks: every rank must run the same "
+        "fully_shard modules in the same order (a module skipped on some ranks only "
+        "must still run, e.g. on a dummy input)."
     )
 
 

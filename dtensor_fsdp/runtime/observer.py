@@ -17,6 +17,9 @@ Per collective the runtime calls, in this order:
 3. ``watch.waiting()`` when its result is first needed, just before the wait, then
    ``watch.waited(nbytes, phase)`` right after it (``nbytes``: the buffer that was
    communicated, known only once issued; ``phase``: the group's phase at the wait).
+   The wait itself is ``wait_work``: a watch whose ``waits`` is true waits in the
+   runtime's place (``watch.wait(work)``), so that it can bound a wait that never
+   ends and raise instead (the flight recorder's watchdog, observe/watchdog.py).
 
 ``lifecycle(step, fqn, phase)`` marks a group's steps (FSDP2's verbs: ``unshard``,
 ``reshard``, ``reshard_post_forward``, ``pre_backward``, ``post_backward``).
@@ -66,6 +69,14 @@ class CollectiveWatch:
     def waited(self, nbytes: int, phase: str) -> None:
         """The wait returned (on an accelerator: the compute stream now waits)."""
 
+    # Whether `wait` replaces the runtime's ``work.wait()`` for this collective.
+    waits = False
+
+    def wait(self, work: dist.Work) -> None:
+        """Wait for ``work`` (called instead of ``work.wait()`` when ``waits``); may
+        raise to end a wait that does not end."""
+        work.wait()
+
 
 class CommObserver:
     """Watches one root's (or subtree's) collectives and lifecycle steps; every method
@@ -107,6 +118,16 @@ def observe_issue(observers: Observers, collective: Collective) -> Watches:
 def begin_wait(watches: Watches) -> None:
     for watch in watches:
         watch.waiting()
+
+
+def wait_work(work: dist.Work, watches: Watches) -> None:
+    """``work.wait()``, or the first watch that waits in its place (see the module
+    docstring, step 3)."""
+    for watch in watches:
+        if watch.waits:
+            watch.wait(work)
+            return
+    work.wait()
 
 
 def end_wait(watches: Watches, nbytes: int, phase: str) -> None:

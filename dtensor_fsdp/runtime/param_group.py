@@ -41,6 +41,7 @@ from .observer import (
     begin_wait,
     check_collective,
     end_wait,
+    wait_work,
     watch_collective,
 )
 from .param import FSDPParam, ParamToShard, ShardedState
@@ -137,6 +138,9 @@ class FSDPParamGroup:
         # Each param's `sharded_version` when the unsharded params (or hpZ's post-forward
         # buffer) were last all-gathered from the sharded ones; see `_reshard_if_stale`.
         self._gathered_versions: list[tuple[int, int]] | None = None
+        # `_gathered_versions` as the forward's autograd graph saw them, from the end of
+        # the forward to the pre-backward: see `_check_unchanged_since_forward`.
+        self._forward_versions: list[tuple[int, int]] | None = None
         # Every FSDPParam of the root's tree, set at lazy init: a replacement is checked
         # against them all, so a tie made after fully_shard is refused across groups.
         self.tree_params: list[FSDPParam] | None = None
@@ -376,6 +380,7 @@ class FSDPParamGroup:
         ``_force_complete_incomplete_states`` does, so that it is not left unsharded
         (and stale after an optimizer step) until its next forward."""
         self._forwarded_modules.clear()
+        self._forward_versions = self._gathered_versions
         # A forward recomputed inside backward (reentrant checkpointing reruns it before
         # this group's pre-backward) keeps the params: its backward comes next, as torch.
         if self.reshard_after_forward and not is_in_backward():
@@ -421,6 +426,36 @@ class FSDPParamGroup:
         if self.observers:
             self._record("pre_backward")
         self.unshard()
+        self._check_unchanged_since_forward()
+
+    def _check_unchanged_since_forward(self) -> None:
+        """Refuse a backward whose forward computed with other values of the sharded
+        params (``optimizer.step()`` between forward and backward): the gradients would
+        mix the values before and after the change (torch's FSDP2 computes them
+        silently; plain PyTorch raises, from the version counters autograd saved).
+
+        Free in the usual case: the versions were read at the forward's all-gather and
+        at this backward's (or its prefetch); only a group not gathered again (kept
+        unsharded, hpZ, ``set_unshard_in_backward(False)``) reads them now. A foreach
+        or fused ``torch.optim`` step (the default for DTensors on a GPU) bumps no
+        version counter and is not seen, as by plain PyTorch's check on DTensors.
+        """
+        forward, self._forward_versions = self._forward_versions, None
+        if forward is None:
+            return
+        now = self._gathered_versions
+        if now is forward:
+            now = [p.sharded_version() for p in self.fsdp_params]
+        if now == forward:
+            return
+        changed = [p.fqn for p, a, b in zip(self.fsdp_params, forward, now, strict=True) if a != b]
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: the sharded parameters {changed} of '{self.fqn or 'root'}' "
+            "changed between its forward and this backward (an optimizer.step() or another "
+            "in-place update before loss.backward()?). Their gradients would mix the values "
+            "before and after the change: call backward before updating the parameters"
+        )
 
     def post_backward(self) -> None:
         """Reduce-scatter the unsharded grads (unless accumulating) and reshard.
@@ -507,7 +542,7 @@ class FSDPParamGroup:
         if watches:
             begin_wait(watches)
         if result.work is not None:
-            result.work.wait()  # on an accelerator, the compute stream waits
+            wait_work(result.work, watches)  # on an accelerator, the compute stream waits
         if watches:
             end_wait(watches, result.output.numel(), self._phase())  # uint8 output
         return in_flight

@@ -92,6 +92,11 @@ class FSDPState:
         self.max_in_flight_reduce_scatters = 1  # torch's default; read at lazy init
         # The root's tree-wide check observer (`set_check`), read at lazy init.
         self.check: CommObserver | None = None
+        # Builds the root's watchdog observer at lazy init, when the tree is known
+        # (fully_shard installs the flight recorder's, observe/watchdog.py;
+        # FSDPModule.set_collective_watchdog replaces it); None: no watchdog.
+        self.make_watchdog: Callable[[FSDPState], CommObserver | None] | None = None
+        self.watchdog: CommObserver | None = None  # the root's, built at lazy init
         self.post_optim_event: torch.Event | None = None  # root only, used once
         self.shared_streams: CommStreams | None = None  # share_comm_ctx, read at lazy init
         # The (pre-forward, post-forward) hook handles of each module in ``modules``,
@@ -162,11 +167,12 @@ class FSDPState:
         for group in groups:
             group.tree_params = tree_params
             group.set_observer("check", self.check)
+        self.states_in_tree = states
+        self.set_watchdog(self.make_watchdog(self) if self.make_watchdog is not None else None)
         # The root's params are needed as soon as backward starts: keep them unsharded.
         if self.auto_reshard_after_forward:
             for group in self.groups:
                 group.reshard_after_forward = False
-        self.states_in_tree = states
 
     def set_check(self, check: CommObserver | None) -> None:
         """Root: attach ``check`` (FSDPModule.set_divergence_check and
@@ -179,6 +185,14 @@ class FSDPState:
         for state in self.states_in_tree:
             for group in state.groups:
                 group.set_observer("check", check)
+
+    def set_watchdog(self, watchdog: CommObserver | None) -> None:
+        """Root, after lazy init: attach ``watchdog`` to every group of the tree,
+        replacing the one there (FSDPModule.set_collective_watchdog)."""
+        self.watchdog = watchdog
+        for state in self.states_in_tree:
+            for group in state.groups:
+                group.set_observer("watchdog", watchdog)
 
     # Runtime #
 

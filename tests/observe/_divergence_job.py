@@ -2,7 +2,8 @@
 
 ``--impl ours`` trains with ``dtensor_fsdp.fully_shard`` and its divergence check and
 non-finite gradient guard on (``--impl ours_unchecked``: both off, the default);
-``--impl torch`` with torch's ``fully_shard``, which has neither. Each scenario builds a fresh model (blocks of two Linears, each block and the
+``--impl ours_default``: the defaults but a short collective watchdog deadline
+(``--deadline``); ``--impl torch`` with torch's ``fully_shard``, which has none. Each scenario builds a fresh model (blocks of two Linears, each block and the
 root sharded), trains one agreeing step, then diverges on rank 1:
 
 - ``skip_block``: rank 1 skips block 1 in forward (blocks of different sizes);
@@ -13,15 +14,23 @@ root sharded), trains one agreeing step, then diverges on rank 1:
   ``set_reduce_scatter_unused_params(True)`` and must train;
 - ``nan``: rank 1 feeds a NaN input; the gradient guard must name it;
 - ``stalls``: rank 1 stops issuing FSDP collectives (it sleeps); the others wait in the
-  check until its timeout.
+  check until its timeout;
+- ``straggler``: rank 1 sleeps past the watchdog's deadline before the step, then
+  trains on: the others must warn, and the step completes.
 
-Each rank writes, per scenario, the exception it raised (type, message) and the seconds
-from the start of the diverging step to the exception, to ``--out``.rank{r}.json.
+A scenario after which collectives stay pending (a hang the watchdog ended) must come
+last: the process group cannot be used again, and the job exits without destroying it.
+
+Each rank writes, per scenario, the exception it raised (type, message), the seconds
+from the start of the diverging step to the exception and the warnings it issued, to
+``--out``.rank{r}.json.
 """
 
 import argparse
 import json
+import os
 import time
+import warnings
 from datetime import timedelta
 
 import torch
@@ -32,6 +41,8 @@ from torch.distributed.device_mesh import init_device_mesh
 DIM = 16
 STALL_S = 4.0  # how long the stalling rank sleeps; the check's timeout is shorter
 CHECK_TIMEOUT_S = 1.5
+DEADLINE_S = 1.0  # the collective watchdog's, for ``--impl ours_default``
+STRAGGLE_S = 2.5  # longer than the deadline: the others warn, then go on
 
 
 class Block(nn.Module):
@@ -72,10 +83,20 @@ def build(impl: str, hiddens: list[int], mesh) -> Net:
     if impl == "ours":
         model.set_divergence_check(True, timeout=CHECK_TIMEOUT_S)
         model.set_nonfinite_grad_check(True)
+    if impl == "ours_default":
+        model.set_collective_watchdog(deadline=DEADLINE_S)
     return model
 
 
 def run(impl: str, scenario: str, mesh, rank: int) -> dict:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _run(impl, scenario, mesh, rank)
+    result["warnings"] = [str(w.message) for w in caught if "FSDP" in str(w.message)]
+    return result
+
+
+def _run(impl: str, scenario: str, mesh, rank: int) -> dict:
     hiddens = [24, 32, 32] if scenario == "skip_same_size" else [24, 32, 40]
     model = build(impl, hiddens, mesh)
     if scenario == "unused_param_fixed":
@@ -101,6 +122,8 @@ def run(impl: str, scenario: str, mesh, rank: int) -> dict:
                 if scenario == "stalls" and diverging:
                     time.sleep(STALL_S)
                     return {"error": None, "losses": losses}
+                if scenario == "straggler" and diverging:
+                    time.sleep(STRAGGLE_S)
             loss = model(x, **kwargs)
             loss.backward()
             optim.step()
@@ -119,7 +142,9 @@ def run(impl: str, scenario: str, mesh, rank: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=("ours", "ours_unchecked", "torch"), required=True)
+    parser.add_argument(
+        "--impl", choices=("ours", "ours_unchecked", "ours_default", "torch"), required=True
+    )
     parser.add_argument("--scenarios", required=True, help="comma-separated, run in order")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -133,6 +158,8 @@ def main() -> None:
         with open(f"{args.out}.rank{rank}.json", "w") as f:
             json.dump(results, f)
         print(f"rank {rank} {scenario}: {results[scenario]}", flush=True)
+    if args.impl == "ours_default" and results[scenario]["error"] is not None:
+        os._exit(0)  # collectives stay pending: destroying the group would wait on them
     dist.destroy_process_group()
 
 

@@ -29,6 +29,7 @@ from ..observer import (
     begin_wait,
     end_wait,
     observe_issue,
+    wait_work,
 )
 from ..param import FSDPParam
 from ..scheduler import CommContext
@@ -260,7 +261,7 @@ class GradientReduction:
         if issued.watches:
             begin_wait(issued.watches)
         if result.work is not None:
-            result.work.wait()
+            wait_work(result.work, issued.watches)
         if issued.watches:
             end_wait(issued.watches, result.input_nbytes, "backward")
 

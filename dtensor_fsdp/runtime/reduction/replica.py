@@ -18,7 +18,7 @@ from ..collectives import (
     finish_quantized_all_reduce,
     quantized_all_reduce,
 )
-from ..observer import Watches, begin_wait, end_wait
+from ..observer import Watches, begin_wait, end_wait, wait_work
 from ..param import FSDPParam
 
 
@@ -101,7 +101,7 @@ def finish_replica_all_reduce(pending: ReplicaAllReduce) -> tuple[list[FSDPParam
     exact: list[torch.Tensor] = []
     if pending.exact_flat is not None:
         if pending.exact_work is not None:
-            pending.exact_work.wait()
+            wait_work(pending.exact_work, pending.watches)
         exact = list(pending.exact_flat.split(pending.exact_numels))
     quantized: list[torch.Tensor] = []
     if pending.quantized is not None:

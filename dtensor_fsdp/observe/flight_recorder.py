@@ -1,0 +1,220 @@
+"""FlightRecorder: every rank's ring buffer of FSDP's collectives, and the bounded wait.
+
+On by default (``FSDPModule.set_collective_watchdog``). Per collective the recorder
+keeps, in a ring of the last ``capacity``: the process group, the per-group sequence
+number, the module's FQN, the phase, the kind, the bytes, the step (the how-manieth
+forward after a backward) and its state (issued, waiting, done, failed). Recording is a
+few attribute writes and one clock read on this rank: no collective, no store round
+trip. The records are compared only when something is wrong (observe/watchdog.py).
+
+[Note: how a stuck rank is made to raise]
+A thread cannot interrupt the main thread while it blocks inside a c10d ``wait()``:
+Python delivers an asynchronous exception or a signal only between bytecodes, and
+gloo's ``ProcessGroup.abort()`` (torch 2.13) does not wake a waiting ``wait()``
+(measured: the wait ends only when the peer's connection closes). So the recorder
+waits in the runtime's place (`CollectiveWatch.wait`): a host collective (CPU tensors:
+gloo) is waited in slices, ``work.wait(timeout)``, which gloo ends with "timed out"
+and lets wait again. A wait that ends in one slice, as every healthy one, costs what
+``work.wait()`` costs. Past the deadline the main thread asks the watchdog thread for
+a comparison of every rank's records; it raises the verdict between two slices. When
+the wait itself fails (gloo closes the connection of a rank it killed) the main thread
+asks for the comparison at once and raises ``CollectiveMismatchError`` from the
+backend's error. On an accelerator FSDP's wait is a stream wait that does not block the
+host, so the recorder only records there; a stall would be found by polling
+``Work.is_completed()`` and ended with ``ProcessGroup.abort()``, which NCCL implements
+(see docs/observe.md).
+"""
+
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..runtime.observer import Collective, CollectiveWatch, CommObserver
+from .consistency import CollectiveMismatchError
+from .diagnosis import Verdict
+
+DEFAULT_CAPACITY = 256  # collectives kept per rank (a few steps of a large model)
+PUBLISHED = 32  # of those, the last ones a rank publishes when asked
+MAX_SLICE_S = 0.5  # the longest slice of a host wait (a verdict waits at most this)
+
+
+class CollectiveStragglerWarning(RuntimeWarning):
+    """Some ranks are behind the others at an FSDP collective; their records agree."""
+
+
+class CollectiveRecord(CollectiveWatch):
+    """One collective in the ring; its own watch (state changes at its wait)."""
+
+    def __init__(
+        self, recorder: "FlightRecorder", group: dist.ProcessGroup, seq: int, c: Collective
+    ) -> None:
+        self.recorder = recorder
+        self.group = group  # named only when published: the name is a C++ call
+        self.seq = seq
+        self.fqn = c.fqn
+        self.phase = c.phase
+        self.kind = c.kind
+        self.nbytes = c.nbytes
+        self.step = recorder.step
+        self.state = "issued"
+        self.issued_at = time.monotonic()
+        # On the host a wait blocks: bound it. On an accelerator it is a stream wait.
+        self.waits = c.device.type == "cpu"
+
+    def waiting(self) -> None:
+        self.state = "waiting"
+
+    def waited(self, nbytes: int, phase: str) -> None:
+        self.state = "done"
+
+    def wait(self, work: dist.Work) -> None:
+        """See [Note: how a stuck rank is made to raise]."""
+        try:
+            work.wait(self.recorder.slice)
+            return
+        except RuntimeError as error:
+            if work.is_completed():  # it failed, rather than timed out
+                self.recorder.failed(self, error)
+                raise
+        self.recorder.wait_stalled(self, work)
+
+    def row(self, now: float) -> list[Any]:
+        """As published (diagnosis.Entry's fields)."""
+        return [
+            self.group.group_name, self.seq, self.fqn, self.phase, self.kind, self.nbytes,
+            self.step, self.state, round(now - self.issued_at, 3),
+        ]  # fmt: skip
+
+
+class FlightRecorder(CommObserver):
+    """One root's record of its collectives, and the bounded wait of the stuck ones."""
+
+    def __init__(self, rank: int, deadline: timedelta, answer_timeout: timedelta) -> None:
+        """
+        Args:
+            rank: this process's global rank.
+            deadline: how long a host waits in one collective before the ranks compare
+                their records.
+            answer_timeout: how long a comparison waits for the other ranks' records.
+        """
+        self.rank = rank
+        self.deadline_s = deadline.total_seconds()
+        self.answer_timeout_s = answer_timeout.total_seconds()
+        self.slice = timedelta(seconds=min(self.deadline_s / 10, MAX_SLICE_S))
+        self.step = 0
+        self._in_backward = False
+        self._ring: list[CollectiveRecord | None] = [None] * DEFAULT_CAPACITY
+        self._next = 0
+        self._seq: dict[dist.ProcessGroup, int] = {}
+        # Set by the watchdog (observe/watchdog.py): asks every rank to publish its
+        # records; returns the round it asked for, or None if the store is gone.
+        self.request_comparison: Callable[[], int | None] | None = None
+        self.stop_watchdog: Callable[[], None] | None = None  # ends the thread
+        self._error: str | None = None  # this rank's backend error, for the others
+        self._failure: Verdict | None = None  # raised once, then again at each collective
+        # The watchdog thread posts verdicts here, the main thread takes them.
+        self._posted = threading.Condition()
+        self._verdict: Verdict | None = None
+        self._posted_round = -1
+
+    # Recording (the main thread, per collective) #
+
+    def before_issue(self, collective: Collective) -> None:
+        if self._verdict is not None or self._failure is not None:
+            self.raise_verdict()
+
+    def issuing(self, collective: Collective) -> CollectiveRecord:
+        group = collective.group
+        seq = self._seq.get(group, 0)
+        self._seq[group] = seq + 1
+        if collective.phase == "backward":
+            self._in_backward = True
+        elif collective.phase == "forward" and self._in_backward:
+            self._in_backward = False
+            self.step += 1
+        record = CollectiveRecord(self, group, seq, collective)
+        self._ring[self._next % DEFAULT_CAPACITY] = record
+        self._next += 1
+        return record
+
+    # Stalls and failures (the main thread, off the hot path) #
+
+    def wait_stalled(self, record: CollectiveRecord, work: dist.Work) -> None:
+        """Wait on for a collective that outlasted one slice; past each deadline ask
+        for a comparison, and raise the first error verdict posted."""
+        next_comparison = record.issued_at + self.deadline_s
+        while True:
+            self.raise_verdict()
+            now = time.monotonic()
+            if now >= next_comparison and self.request_comparison is not None:
+                self.request_comparison()
+                next_comparison = now + self.deadline_s
+            try:
+                work.wait(self.slice)
+                return
+            except RuntimeError as error:
+                if work.is_completed():
+                    self.failed(record, error)
+                    raise
+
+    def failed(self, record: CollectiveRecord, error: RuntimeError) -> None:
+        """The backend failed ``record``'s wait: compare with the other ranks now and
+        raise what they say, from ``error``; return (the caller re-raises ``error``)
+        when nobody can be asked or nothing is found."""
+        record.state = "failed"
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        self._error = f"{type(error).__name__}: {first_line[:200]}"
+        asked = self.request_comparison() if self.request_comparison is not None else None
+        if asked is None:
+            return
+        with self._posted:
+            self._posted.wait_for(
+                lambda: self._posted_round >= asked, timeout=self.answer_timeout_s + 5.0
+            )
+        verdict = self._verdict
+        if verdict is not None and verdict.is_error:
+            try:
+                self.raise_verdict()
+            except CollectiveMismatchError as mismatch:
+                raise mismatch from error
+
+    def raise_verdict(self) -> None:
+        """Raise an error verdict (again at every later collective: the process group
+        is stuck), warn a straggler verdict once."""
+        with self._posted:
+            verdict, self._verdict = self._verdict, None
+        if verdict is not None and verdict.is_error:
+            self._failure = verdict
+        elif verdict is not None:
+            warnings.warn(verdict.message, CollectiveStragglerWarning, stacklevel=2)
+        if self._failure is not None:
+            raise CollectiveMismatchError(
+                f"{self._failure.message}\nFound by FSDP's collective watchdog (deadline "
+                f"{self.deadline_s:g} s, FSDPModule.set_collective_watchdog). Collectives "
+                "are still pending on this process group, which cannot be used again: "
+                "end the job (torchrun --max-restarts resumes it from the last checkpoint)"
+            )
+
+    # The watchdog thread #
+
+    def snapshot(self) -> dict[str, Any]:
+        """This rank's last collectives, oldest first, as published."""
+        now = time.monotonic()
+        ring, count = list(self._ring), self._next
+        start = max(0, count - PUBLISHED)
+        records = [ring[i % DEFAULT_CAPACITY] for i in range(start, count)]
+        rows = [r.row(now) for r in records if r is not None]
+        return {"rank": self.rank, "entries": rows, "error": self._error}
+
+    def post(self, round_: int, verdict: Verdict) -> None:
+        """The verdict of comparison ``round_`` (a straggler's is not an error)."""
+        with self._posted:
+            if verdict.is_error or self._verdict is None:
+                self._verdict = verdict
+            self._posted_round = max(self._posted_round, round_)
+            self._posted.notify_all()
