@@ -27,9 +27,12 @@ A step is forward + loss + backward + AdamW step + ``zero_grad`` (+ a device syn
 model and configuration: **first s**, the first steps (compilation); **median ms**, the
 median over ``--steps`` rounds, one step of each configuration per round in an order
 rotated every round; **x plain**; **AG / RS**: all-gathers / reduce-scatters in one step
-after warm-up, counted by ``tests/_c10d.py``'s ``C10dRecorder`` (a dispatch mode at the
-c10d level; it sees the functional collectives that the compiled graphs call: graph mode
-has no eager collective, so its counts come from the graphs alone); on CUDA **peak
+after warm-up, counted as the ``c10d::`` collective ops that torch.profiler records (one
+counter for every configuration: eager FSDPs call them, and so does each functional
+collective of a compiled graph; checked equal to ``tests/_c10d.py``'s ``C10dRecorder``
+on ours' eager step. The recorder itself cannot count compiled graphs: under a dispatch
+mode dynamo runs the frames eagerly, unbucketed; graph mode has no eager collective, so
+its counts come from the graphs alone); on CUDA **peak
 MiB**: ``max_memory_allocated`` over one step, less the memory allocated before the
 configuration was built (after a cuBLAS warm-up), i.e. the peak it has alone; and on
 the busy model **busy**: the union of CUDA kernel intervals of one profiled step
@@ -38,8 +41,10 @@ launches no communication kernels).
 
 **Host time**: the wall time per step of the host-bound model with batch 1 x seq 1,
 CPU, fp32, fake group: the same ops, launches and Python as the real step, negligible
-arithmetic. **Bitwise**: 2 gloo ranks train a small Llama 5 steps in eager mode and in
-graph mode with ``backend="aot_eager"`` (bucketing on), fp32 and bf16 mixed precision:
+arithmetic (but not negligible parameter bytes: copying, reducing and updating 7M fp32
+parameters is memory traffic on a CPU, so the same blocks at width 16 follow; the last
+line's Y is the former). **Bitwise**: 2 gloo ranks train a small Llama 5 steps in eager
+mode and in graph mode with ``backend="aot_eager"`` (bucketing on), fp32 and bf16 mixed precision:
 losses and final parameters must be bitwise equal. The last line reads
 ``graph: breaks=N bitwise=yes|no collectives_graph/eager=X host_graph/eager=Y``
 (N: graph breaks of graph mode's compile, X: all-gathers + reduce-scatters per step of
