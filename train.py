@@ -12,6 +12,7 @@ Launch with torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE:
     torchrun --nproc-per-node 4 train.py --checkpoint-dir ckpt --resume --batch-size 4
     torchrun --nproc-per-node 2 train.py --optimizer muon  # Muon on the blocks' matrices
     torchrun --nproc-per-node 2 train.py --compile         # each block torch.compile-d
+    torchrun --nproc-per-node 2 train.py --graph           # graph mode: dtensor_fsdp.compile
     torchrun --nproc-per-node 4 train.py --pp 2            # 2 pipeline stages x FSDP over 2
 
 Parallelism: the world is a mesh of ``replicate x shard x tp`` ranks, where
@@ -62,6 +63,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+import dtensor_fsdp
 from dtensor_fsdp import (
     CommTrace,
     CPUOffloadPolicy,
@@ -107,10 +109,17 @@ PP_EXCLUDES = {
     "meta_init": "the stages are cut from an initialized model",
     "cpu_offload": "not tested with pipeline schedules",
     "compile": "not tested with pipeline schedules",
+    "graph": "graph mode compiles one root's whole forward and backward",
     "optimizer": "Muon's parameter split reads the whole model",
     "checkpoint_dir": "checkpoints hold the whole model's FQNs on every rank",
     "trace_comms": "the trace is per FSDP root, and each stage is one",
     "tie_embeddings": "the first and last stages would share the weight across ranks",
+}
+# What --graph does not combine with, and why (parse_args names them).
+GRAPH_EXCLUDES = {
+    "compile": "graph mode compiles the whole model; --compile compiles each block",
+    "cpu_offload": "graph mode does not support CPU offload yet",
+    "trace_comms": "the trace records the eager hooks' collectives; graph mode has none",
 }
 
 
@@ -186,6 +195,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "does; after activation checkpointing if that is on",
     )
     parser.add_argument(
+        "--graph",
+        action="store_true",
+        help="graph mode: dtensor_fsdp.compile(model) after sharding (FSDP's collectives "
+        "inside the compiled graphs, bucketed); not with --compile",
+    )
+    parser.add_argument(
+        "--graph-backend",
+        choices=("inductor", "aot_eager"),
+        default="inductor",
+        help="--graph's backend; aot_eager (no fusion) trains bitwise as eager",
+    )
+    parser.add_argument(
         "--meta-init", action="store_true", help="build on the meta device, init after sharding"
     )
     parser.add_argument(
@@ -219,6 +240,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--checkpoint-every and --resume need --checkpoint-dir")
     if args.microbatches is None:
         args.microbatches = args.batch_size
+    if args.graph:
+        excluded = [flag for flag in GRAPH_EXCLUDES if getattr(args, flag)]
+        if excluded:
+            reasons = [f"--{flag.replace('_', '-')} ({GRAPH_EXCLUDES[flag]})" for flag in excluded]
+            parser.error(f"--graph does not combine with {', '.join(reasons)}")
     return args
 
 
@@ -384,6 +410,8 @@ def build_model(
         materialize(model, device, args.cpu_offload)
         with init_unsharded(model):
             init_from_seed(model, args.seed)
+    if args.graph:
+        dtensor_fsdp.compile(model, backend=args.graph_backend)
     return model
 
 
