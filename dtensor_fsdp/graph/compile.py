@@ -30,8 +30,7 @@ def compile(
         bucketing: merge consecutive FSDP all-gathers and reduce-scatters into buckets
             of ``bucket_mb`` and, with inductor, reorder compute and communication so
             they overlap. Off: one all-gather and one reduction per group, as eager.
-        bucket_mb: the bucket size; None: twice the largest group's all-gather, about
-            what eager's prefetch holds unsharded at once.
+        bucket_mb: the bucket size; None: `default_bucket_mb`.
         fullgraph, compile_kwargs: as ``torch.compile``'s (``mode``, ``dynamic``...).
 
     Returns:
@@ -40,10 +39,19 @@ def compile(
     """
     enable_graph_mode(model)
     if bucketing and bucket_mb is None:
-        bucket_mb = 2 * max(spec.all_gather_nbytes for spec in gather_specs(model)) / 2**20
+        bucket_mb = default_bucket_mb(model)
     model.compile(
         backend=graph_backend(backend, bucket_mb if bucketing else None),
         fullgraph=fullgraph,
         **compile_kwargs,
     )
     return model
+
+
+def default_bucket_mb(model: nn.Module) -> float:
+    """2.5 times the largest all-gather of ``model`` (in graph mode), in MB: a bucket
+    holds two groups of the largest size, about what eager's prefetch holds unsharded
+    at once (the current group and the next), and never three. Not exactly 2: a bucket
+    of two equal groups would then sit on its cap and torch's passes would not merge
+    them."""
+    return 2.5 * max(spec.all_gather_nbytes for spec in gather_specs(model)) / 2**20

@@ -39,7 +39,8 @@ class GraphCollectives:
             target = getattr(node.target, "_opname", None) if node.op == "call_function" else None
             namespace = getattr(node.target, "namespace", None)
             if namespace == "_c10d_functional" and target is not None:
-                name = target.rstrip("_")
+                # Bucketing emits the ``_out`` variants (e.g. all_gather_into_tensor_out).
+                name = target.rstrip("_").removesuffix("_out")
                 counts[_KINDS.get(name, name)] += name != "wait_tensor"
         self.graphs.append(+counts)
 

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import dtensor_fsdp
 from dtensor_fsdp import CPUOffloadPolicy, fully_shard
+from dtensor_fsdp.graph.compile import default_bucket_mb
 from dtensor_fsdp.graph.switch import is_graph_mode
 from dtensor_fsdp.models.llama import Llama
 from tests._c10d import C10dRecorder
@@ -103,27 +104,18 @@ def test_reshard_after_forward_is_recompute(mesh, reshard: bool) -> None:
 
 
 def test_bucketing_halves_collectives(mesh) -> None:
-    """Bucketing (twice the largest group, `compile`'s default) merges consecutive
+    """Bucketing (`compile`'s default size) merges consecutive
     gathers and reductions: at most half of eager's all-gathers + reduce-scatters on a
     model of 8 blocks."""
     config = dataclasses.replace(uneven_config(), n_layers=8)
     eager = _recorded(build_llama(config, mesh))
     model = build_llama(config, mesh)
-    specs_mb = 2 * max(s.all_gather_nbytes for s in _specs_of(model)) / 2**20
-    graphs = _compiled_step_counts(build_llama(config, mesh), specs_mb)
+    dtensor_fsdp.enable_graph_mode(model)
+    graphs = _compiled_step_counts(model, default_bucket_mb(model))
     graph = sum(graphs, Counter())
     eager_total = eager["all_gather"] + eager["reduce_scatter"]
     graph_total = graph["all_gather"] + graph["reduce_scatter"]
     assert graph_total <= eager_total / 2, (graph, eager)
-
-
-def _specs_of(model):
-    from dtensor_fsdp.graph.switch import gather_specs
-
-    dtensor_fsdp.enable_graph_mode(model)
-    specs = gather_specs(model)
-    dtensor_fsdp.disable_graph_mode(model)
-    return specs
 
 
 def test_no_graph_breaks_mixed_precision(mesh) -> None:
