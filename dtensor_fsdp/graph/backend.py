@@ -67,25 +67,40 @@ class _MarkReshard(CustomGraphPass):
 
 
 def graph_backend(
-    name: str, bucket_mb: float | None, inspect: Callable[[fx.GraphModule], None] | None = None
+    name: str,
+    bucket_mb: float | None,
+    inspect: Callable[[fx.GraphModule], None] | None = None,
+    inductor_options: dict[str, Any] | None = None,
 ) -> Callable:
     """The dynamo backend ``name`` (`BACKENDS`) with graph mode's passes; ``bucket_mb``:
     the bucket size, None for no bucketing (and no reordering). ``inspect`` (aot_eager
-    only): called with each forward and backward graph as it will run."""
+    only): called with each forward and backward graph as it will run.
+    ``inductor_options``: inductor config, as ``torch.compile``'s ``options`` (its
+    ``mode`` is a set of these: `inductor_mode_options`)."""
     if name == "inductor":
         if inspect is not None:
             raise ValueError("inspect is for the aot_eager backend, whose graphs run as seen")
-        return _inductor(bucket_mb)
+        return _inductor(bucket_mb, inductor_options or {})
+    if inductor_options:
+        raise ValueError(f"mode and options are inductor's; the {name!r} backend takes none")
     if name == "aot_eager":
         return _aot_eager(bucket_mb, inspect)
     raise ValueError(f"graph mode's backend must be one of {BACKENDS}, not {name!r}")
 
 
-def _inductor(bucket_mb: float | None) -> Callable:
+def inductor_mode_options(mode: str | None) -> dict[str, Any]:
+    """``torch.compile``'s ``mode`` as inductor config (a custom backend such as graph
+    mode's does not get ``mode`` from ``torch.compile``: it must apply it itself)."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode)) if mode else {}
+
+
+def _inductor(bucket_mb: float | None, options: dict[str, Any]) -> Callable:
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
 
-    patches: dict[str, Any] = {"joint_custom_pre_pass": _MarkReshard()}
+    patches: dict[str, Any] = {**options, "joint_custom_pre_pass": _MarkReshard()}
     if bucket_mb is not None:
         wanted = {
             "bucket_all_gathers_fx": "all",

@@ -1,10 +1,11 @@
 """``dtensor_fsdp.compile``: graph mode's entry point."""
 
+import statistics
 from typing import Any
 
 from torch import nn
 
-from .backend import graph_backend
+from .backend import graph_backend, inductor_mode_options
 from .switch import enable_graph_mode, gather_specs
 
 
@@ -15,6 +16,8 @@ def compile(
     bucketing: bool = True,
     bucket_mb: float | None = None,
     fullgraph: bool = True,
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
     **compile_kwargs: Any,
 ) -> nn.Module:
     """Compile ``model``, the root of a ``fully_shard`` tree, in graph mode, in place.
@@ -31,7 +34,8 @@ def compile(
             of ``bucket_mb`` and, with inductor, reorder compute and communication so
             they overlap. Off: one all-gather and one reduction per group, as eager.
         bucket_mb: the bucket size; None: `default_bucket_mb`.
-        fullgraph, compile_kwargs: as ``torch.compile``'s (``mode``, ``dynamic``...).
+        fullgraph, mode, options, compile_kwargs: as ``torch.compile``'s (``mode``
+            and ``options`` are inductor's: ``mode="reduce-overhead"`` for CUDA graphs).
 
     Returns:
         ``model`` itself (compiled with ``nn.Module.compile``: its state-dict keys do
@@ -40,8 +44,9 @@ def compile(
     enable_graph_mode(model)
     if bucketing and bucket_mb is None:
         bucket_mb = default_bucket_mb(model)
+    inductor_options = {**inductor_mode_options(mode), **(options or {})}
     model.compile(
-        backend=graph_backend(backend, bucket_mb if bucketing else None),
+        backend=graph_backend(backend, bucket_mb if bucketing else None, None, inductor_options),
         fullgraph=fullgraph,
         **compile_kwargs,
     )
@@ -49,9 +54,14 @@ def compile(
 
 
 def default_bucket_mb(model: nn.Module) -> float:
-    """2.5 times the largest all-gather of ``model`` (in graph mode), in MB: a bucket
-    holds two groups of the largest size, about what eager's prefetch holds unsharded
-    at once (the current group and the next), and never three. Not exactly 2: a bucket
-    of two equal groups would then sit on its cap and torch's passes would not merge
-    them."""
-    return 2.5 * max(spec.all_gather_nbytes for spec in gather_specs(model)) / 2**20
+    """The default bucket size of ``model`` (in graph mode), in MB: two groups of the
+    typical (median) size, what eager's prefetch holds unsharded at once (the current
+    group and the next), plus room for one smaller group to ride along (a root's
+    embedding and norm); a group larger than that (a large root) travels alone.
+
+    Sizes are all-gather outputs, as torch's passes measure buckets; 1% over two
+    typical groups so that two equal ones fit despite float rounding of the cap."""
+    sizes = sorted(spec.all_gather_nbytes for spec in gather_specs(model))
+    typical = statistics.median_low(sizes)
+    smaller = sizes[0] if sizes[0] < typical else 0
+    return (2.02 * typical + smaller) / 2**20
