@@ -22,7 +22,9 @@ losses (checked). Per configuration it also counts, over one step: the check's
 all-gathers and all collectives at the c10d level, the c10d store calls (the default's
 hot path must make none: its records are compared only when a wait outlasts the
 deadline), and the Python calls (cProfile, deterministic), whose difference between
-``ours`` and ``ours-watchdog`` is what the default adds per step.
+``ours`` and ``ours-watchdog`` is what the default watchdog adds per step; the step
+guard's own calls (an optimizer step between forward and backward, always on) are
+counted apart.
 """
 
 import cProfile
@@ -87,10 +89,16 @@ def count_step(impl: Impl, config, args, device) -> dict[str, int]:
         for (_, _, name), (_, calls, *_) in stats.items()
         if name in STORE_CALL_NAMES
     )
+    # The step guard (runtime/step_guard.py) is on in every configuration of ours:
+    # its own calls, the optimizer hook included (its callers add one builtin each).
+    guard_calls = sum(
+        calls for (path, _, _), (_, calls, *_) in stats.items() if path.endswith("step_guard.py")
+    )
     return {
         "python_calls": pstats.Stats(profiler).total_calls,  # type: ignore[attr-defined]
         "store_calls": store_calls,
         "collectives": len(recorder.records),
+        "step_guard_calls": guard_calls,
     }
 
 
@@ -147,6 +155,11 @@ def main() -> None:
                 f"{on['store_calls']} store calls; step time "
                 f"{statistics.median(times['ours']) / statistics.median(times['ours-watchdog']):.3f}x"
                 f" of watchdog off (medians of {len(times['ours'])} interleaved steps)"
+            )
+            guard = on["step_guard_calls"]
+            print(
+                f"step guard (always on): {guard} calls per step in runtime/step_guard.py "
+                f"({100 * guard / on['python_calls']:.2f}% of the step's)"
             )
             print("BENCH_JSON " + json.dumps({"model": args.model, "results": results}), flush=True)
         del impls

@@ -320,8 +320,10 @@ class FSDPModule:
         diverged, where (module, phase, step) and what each rank was doing; a rank
         the backend killed is named as the one that stopped answering; a rank that is
         merely behind gets a ``CollectiveStragglerWarning`` and the wait goes on. The
-        wait is bounded on the host (CPU tensors: gloo); on an accelerator the
-        collectives are recorded and compared when another rank asks. Call it on the
+        wait is bounded on the host (CPU tensors: gloo); on an accelerator, where the
+        wait is a stream wait, a thread polls the works in flight and, past the
+        deadline, compares the records the same way and aborts the process group on
+        an error (NCCL; not yet run on a GPU: docs/observe.md). Call it on the
         root, on every rank, in the same order. dtensor_fsdp only: torch's FSDP2 waits
         for the backend's timeout (``set_divergence_check`` is the strict check before
         every collective).

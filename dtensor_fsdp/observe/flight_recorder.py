@@ -19,10 +19,10 @@ and lets wait again. A wait that ends in one slice, as every healthy one, costs 
 a comparison of every rank's records; it raises the verdict between two slices. When
 the wait itself fails (gloo closes the connection of a rank it killed) the main thread
 asks for the comparison at once and raises ``CollectiveMismatchError`` from the
-backend's error. On an accelerator FSDP's wait is a stream wait that does not block the
-host, so the recorder only records there; a stall would be found by polling
-``Work.is_completed()`` and ended with ``ProcessGroup.abort()``, which NCCL implements
-(see docs/observe.md).
+backend's error. On an accelerator (any tensors but CPU ones) FSDP's wait is a stream
+wait that does not block the host: the recorder lets it through and hands the work to
+the stall poller (observe/stall_poll.py), which finds a collective that does not
+complete by the deadline with ``Work.is_completed()`` and ends it.
 """
 
 import threading
@@ -63,8 +63,12 @@ class CollectiveRecord(CollectiveWatch):
         self.step = recorder.step
         self.state = "issued"
         self.issued_at = time.monotonic()
-        # On the host a wait blocks: bound it. On an accelerator it is a stream wait.
-        self.waits = c.device.type == "cpu"
+        # On the host a wait blocks: bound it. On an accelerator it is a stream wait,
+        # and its work is polled (set at the wait).
+        self.blocks_host = c.device.type == "cpu"
+        self.work: dist.Work | None = None
+
+    waits = True  # the runtime's wait goes through `wait`
 
     def waiting(self) -> None:
         self.state = "waiting"
@@ -74,6 +78,9 @@ class CollectiveRecord(CollectiveWatch):
 
     def wait(self, work: dist.Work) -> None:
         """See [Note: how a stuck rank is made to raise]."""
+        if not self.blocks_host:
+            self.recorder.wait_on_device(self, work)
+            return
         try:
             work.wait(self.recorder.slice)
             return
@@ -83,11 +90,16 @@ class CollectiveRecord(CollectiveWatch):
                 raise
         self.recorder.wait_stalled(self, work)
 
-    def row(self, now: float) -> list[Any]:
+    def is_pending_on_device(self) -> bool:
+        """Whether this is a device collective whose stream wait was queued and whose
+        work has not completed (thread-safe: ``Work.is_completed`` only reads)."""
+        return self.work is not None and not self.work.is_completed()
+
+    def row(self, now: float, state: str) -> list[Any]:
         """As published (diagnosis.Entry's fields)."""
         return [
             self.group.group_name, self.seq, self.fqn, self.phase, self.kind, self.nbytes,
-            self.step, self.state, round(now - self.issued_at, 3),
+            self.step, state, round(now - self.issued_at, 3),
         ]  # fmt: skip
 
 
@@ -121,6 +133,11 @@ class FlightRecorder(CommObserver):
         self._posted = threading.Condition()
         self._verdict: Verdict | None = None
         self._posted_round = -1
+        # The last posted comparison (round, verdict): read, never taken, by the poller.
+        self.latest: tuple[int, Verdict] | None = None
+        # Set by start_watchdog: receives each device collective once its stream wait
+        # is queued (observe/stall_poll.py).
+        self.track: Callable[[CollectiveRecord], None] | None = None
 
     # Recording (the main thread, per collective) #
 
@@ -141,6 +158,16 @@ class FlightRecorder(CommObserver):
         self._ring[self._next % DEFAULT_CAPACITY] = record
         self._next += 1
         return record
+
+    def wait_on_device(self, record: CollectiveRecord, work: dist.Work) -> None:
+        """A device collective's wait: raise a verdict the poller's comparison posted,
+        queue the stream wait (the host goes on), hand the work to the poller."""
+        if self._verdict is not None or self._failure is not None:
+            self.raise_verdict()
+        work.wait()
+        record.work = work
+        if self.track is not None:
+            self.track(record)
 
     # Stalls and failures (the main thread, off the hot path) #
 
@@ -169,19 +196,24 @@ class FlightRecorder(CommObserver):
         record.state = "failed"
         first_line = str(error).splitlines()[0] if str(error) else ""
         self._error = f"{type(error).__name__}: {first_line[:200]}"
-        asked = self.request_comparison() if self.request_comparison is not None else None
-        if asked is None:
-            return
-        with self._posted:
-            self._posted.wait_for(
-                lambda: self._posted_round >= asked, timeout=self.answer_timeout_s + 5.0
-            )
-        verdict = self._verdict
+        verdict = self.compare_now()
         if verdict is not None and verdict.is_error:
             try:
                 self.raise_verdict()
             except CollectiveMismatchError as mismatch:
                 raise mismatch from error
+
+    def compare_now(self) -> Verdict | None:
+        """Ask every rank for a comparison and wait for its verdict (None: nobody can
+        be asked, or no verdict within the answer timeout)."""
+        asked = self.request_comparison() if self.request_comparison is not None else None
+        if asked is None:
+            return None
+        with self._posted:
+            self._posted.wait_for(
+                lambda: self._posted_round >= asked, timeout=self.answer_timeout_s + 5.0
+            )
+            return self._verdict if self._posted_round >= asked else None
 
     def raise_verdict(self) -> None:
         """Raise an error verdict (again at every later collective: the process group
@@ -207,8 +239,10 @@ class FlightRecorder(CommObserver):
         now = time.monotonic()
         ring, count = list(self._ring), self._next
         start = max(0, count - PUBLISHED)
-        records = [ring[i % DEFAULT_CAPACITY] for i in range(start, count)]
-        rows = [r.row(now) for r in records if r is not None]
+        records = [r for r in (ring[i % DEFAULT_CAPACITY] for i in range(start, count)) if r]
+        rows = [
+            r.row(now, state) for r, state in zip(records, _published_states(records), strict=True)
+        ]
         return {"rank": self.rank, "entries": rows, "error": self._error}
 
     def post(self, round_: int, verdict: Verdict) -> None:
@@ -216,5 +250,25 @@ class FlightRecorder(CommObserver):
         with self._posted:
             if verdict.is_error or self._verdict is None:
                 self._verdict = verdict
+            self.latest = (round_, verdict)
             self._posted_round = max(self._posted_round, round_)
             self._posted.notify_all()
+
+
+def _published_states(records: list[CollectiveRecord]) -> list[str]:
+    """Each record's state as published. A host record's is what its wait left. A
+    device record whose stream wait was queued is done once its work completed; the
+    oldest one not completed is the one the device waits for ("waiting", as a host
+    blocked in it), the later ones queue behind it ("issued")."""
+    states = []
+    waiting_seen = False
+    for record in records:
+        state = record.state
+        if record.work is not None and state != "failed":
+            if record.work.is_completed():
+                state = "done"
+            else:
+                state = "issued" if waiting_seen else "waiting"
+                waiting_seen = True
+        states.append(state)
+    return states

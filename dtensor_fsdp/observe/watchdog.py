@@ -1,6 +1,7 @@
 """The watchdog thread: compares every rank's flight record through the c10d store.
 
-One daemon thread per root and rank, started at the root's lazy init. It blocks in
+One daemon thread per root and rank, started at the root's lazy init (beside the stall
+poller of device collectives, observe/stall_poll.py). It blocks in
 ``store.wait`` on its own wake key, at no cost until some rank asks for a comparison
 (a collective outlasted the deadline, or its wait failed: observe/flight_recorder.py).
 The asking rank sets every rank's wake key of the current round; each rank's thread
@@ -30,6 +31,7 @@ from torch.distributed import distributed_c10d
 from ..runtime.state import FSDPState
 from .diagnosis import RankRecord, Verdict, diagnose
 from .flight_recorder import FlightRecorder
+from .stall_poll import StallPoller
 
 DEFAULT_DEADLINE = timedelta(seconds=60)
 MAX_ANSWER_TIMEOUT = timedelta(seconds=5)
@@ -155,9 +157,25 @@ def start_watchdog(root: FSDPState, deadline: timedelta) -> FlightRecorder | Non
     stores = (dist.PrefixStore(prefix, store), dist.PrefixStore(prefix, thread_store))
     answer_timeout = min(deadline, MAX_ANSWER_TIMEOUT)
     recorder = FlightRecorder(rank, deadline, answer_timeout)
-    watchdog = Watchdog(stores, recorder, rank, world_size)
-    recorder.request_comparison = watchdog.request
-    recorder.stop_watchdog = watchdog.close
-    weakref.finalize(recorder, watchdog.close)
-    watchdog.start()
+    start_threads(recorder, stores, world_size)
     return recorder
+
+
+def start_threads(
+    recorder: FlightRecorder, stores: tuple[dist.Store, dist.Store], world_size: int
+) -> None:
+    """Start ``recorder``'s watchdog thread and stall poller, with ``stores`` (the main
+    thread's and the watchdog thread's, one prefix for the ranks of this tree)."""
+    watchdog = Watchdog(stores, recorder, recorder.rank, world_size)
+    poller = StallPoller(recorder)  # device collectives: see [Note: device stalls]
+    recorder.request_comparison = watchdog.request
+    recorder.track = poller.track
+
+    def stop() -> None:
+        poller.close()
+        watchdog.close()
+
+    recorder.stop_watchdog = stop
+    weakref.finalize(recorder, stop)
+    watchdog.start()
+    poller.start()

@@ -381,9 +381,14 @@ class FSDPParamGroup:
         (and stale after an optimizer step) until its next forward."""
         self._forwarded_modules.clear()
         self._forward_versions = self._gathered_versions
+        in_backward = is_in_backward()
+        # A backward may follow (not after a no_grad forward, nor a forward recomputed
+        # inside a backward): see [Note: optimizer step between forward and backward].
+        if self.ctx is not None and not in_backward and torch.is_grad_enabled():
+            self.ctx.step_guard.forward_done(self, self.fsdp_params)
         # A forward recomputed inside backward (reentrant checkpointing reruns it before
         # this group's pre-backward) keeps the params: its backward comes next, as torch.
-        if self.reshard_after_forward and not is_in_backward():
+        if self.reshard_after_forward and not in_backward:
             if self.post_forward_mesh_info is not None:
                 self._reshard_post_forward(self.post_forward_mesh_info)
             else:
@@ -430,17 +435,20 @@ class FSDPParamGroup:
 
     def _check_unchanged_since_forward(self) -> None:
         """Refuse a backward whose forward computed with other values of the sharded
-        params (``optimizer.step()`` between forward and backward): the gradients would
-        mix the values before and after the change (torch's FSDP2 computes them
-        silently; plain PyTorch raises, from the version counters autograd saved).
+        params (``optimizer.step()`` between forward and backward): see [Note:
+        optimizer step between forward and backward] (step_guard.py).
 
         Free in the usual case: the versions were read at the forward's all-gather and
         at this backward's (or its prefetch); only a group not gathered again (kept
         unsharded, hpZ, ``set_unshard_in_backward(False)``) reads them now. A foreach
-        or fused ``torch.optim`` step (the default for DTensors on a GPU) bumps no
-        version counter and is not seen, as by plain PyTorch's check on DTensors.
+        or fused ``torch.optim`` step bumps no version counter: the step guard saw it.
         """
         forward, self._forward_versions = self._forward_versions, None
+        seen = self.ctx.step_guard.take(self) if self.ctx is not None else None
+        if seen is not None:
+            raise RuntimeError(
+                _modified_message(self.fqn, seen.names, f"{seen.optimizer}.step() ran")
+            )
         if forward is None:
             return
         now = self._gathered_versions
@@ -449,13 +457,8 @@ class FSDPParamGroup:
         if now == forward:
             return
         changed = [p.fqn for p, a, b in zip(self.fsdp_params, forward, now, strict=True) if a != b]
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: the sharded parameters {changed} of '{self.fqn or 'root'}' "
-            "changed between its forward and this backward (an optimizer.step() or another "
-            "in-place update before loss.backward()?). Their gradients would mix the values "
-            "before and after the change: call backward before updating the parameters"
-        )
+        cause = "an optimizer.step() or another in-place update before loss.backward()?"
+        raise RuntimeError(_modified_message(self.fqn, changed, cause))
 
     def post_backward(self) -> None:
         """Reduce-scatter the unsharded grads (unless accumulating) and reshard.
@@ -627,3 +630,13 @@ class FSDPParamGroup:
         check_collective(self.observers, collective)
         self._record("unshard")
         return watch_collective(self.observers, collective)
+
+
+def _modified_message(fqn: str, names: list[str], cause: str) -> str:
+    """Plain PyTorch's error for a backward after an in-place change of ``names``."""
+    return (
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: the sharded parameters {names} of '{fqn or 'root'}' changed "
+        f"between its forward and this backward ({cause}). Their gradients would mix the "
+        "values before and after the change: call backward before updating the parameters"
+    )

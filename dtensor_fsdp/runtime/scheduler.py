@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .observer import CommObserver
+from .step_guard import StepGuard
 from .streams import CommStreams, StreamRole
 
 
@@ -108,6 +109,9 @@ class CommContext:
         # The last forward copy-out's all-gather output and the event after that
         # copy-out; see [Note: forward all-gather overlap].
         self._kept_all_gather: tuple[object, object] | None = None
+        # The groups awaiting their backward, watched for an optimizer step: see
+        # [Note: optimizer step between forward and backward] (step_guard.py).
+        self.step_guard = StepGuard()
 
     # Forward #
 
@@ -254,3 +258,4 @@ class CommContext:
         self.is_in_forward = False
         self.is_backward_callback_queued = False
         self.release_kept_all_gather()
+        self.step_guard.clear()

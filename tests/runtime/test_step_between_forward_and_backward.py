@@ -2,8 +2,11 @@
 process group): plain PyTorch raises at the backward, from the version counters
 autograd saved; torch's FSDP2 computes the gradients silently, mixing the values before
 and after the step; ours raises plain PyTorch's error at the backward, naming the
-parameters. A foreach or fused step bumps no version counter of a DTensor and is not
-seen (docs/differences.md).
+parameters, for every kind of step: per-tensor (it bumps the DTensor's version
+counter), foreach and fused (they bump none: FSDP sees the step through torch's global
+optimizer step hook) and ``step_on_local_shards`` (it bumps the local tensor's).
+A fused step bumps no version counter of a plain tensor either: plain PyTorch is silent
+there, ours raises.
 """
 
 import pytest
@@ -12,12 +15,27 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from dtensor_fsdp import fully_shard
+from dtensor_fsdp.optim import step_on_local_shards
 from tests._harness import fake_mesh
 
 PHRASE = "modified by an inplace operation"
+
+
+def _on_local_shards(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    step_on_local_shards(optimizer)
+    return optimizer
+
+
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, foreach=False),
     "adamw": lambda params: torch.optim.AdamW(params, lr=0.1),  # the default on CPU
+    # The default on an accelerator: no version counter of a DTensor param is bumped.
+    "sgd-foreach": lambda params: torch.optim.SGD(params, lr=0.1, foreach=True),
+    "adamw-foreach": lambda params: torch.optim.AdamW(params, lr=0.1, foreach=True),
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=0.1, fused=True),  # CPU too
+    "adamw-local-shards": lambda params: _on_local_shards(
+        torch.optim.AdamW(params, lr=0.1, foreach=True)
+    ),
 }
 
 
@@ -47,8 +65,11 @@ def _shard(model: nn.Sequential, shard, mesh, reshard_after_forward: bool) -> nn
 @pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
 def test_ours_raises_plain_pytorchs_error(optimizer_name: str, reshard_after_forward: bool) -> None:
-    with pytest.raises(RuntimeError, match=PHRASE):
-        _step_between_forward_and_backward(_model(), optimizer_name)
+    if optimizer_name == "adamw-fused":  # its kernel bumps no version counter at all
+        _step_between_forward_and_backward(_model(), optimizer_name)  # plain: silent too
+    elif "local-shards" not in optimizer_name:  # it needs DTensor params
+        with pytest.raises(RuntimeError, match=PHRASE):
+            _step_between_forward_and_backward(_model(), optimizer_name)
     with fake_mesh(2) as mesh:
         theirs = _shard(_model(), torch_fully_shard, mesh, reshard_after_forward)
         _step_between_forward_and_backward(theirs, optimizer_name)  # silent
@@ -60,13 +81,60 @@ def test_ours_raises_plain_pytorchs_error(optimizer_name: str, reshard_after_for
         error.value
     )
     assert "call backward before updating the parameters" in str(error.value)
+    seen_by_hook = {"sgd-foreach": "SGD", "adamw-foreach": "AdamW", "adamw-fused": "AdamW"}
+    if optimizer_name in seen_by_hook:  # no version counter: the optimizer hook saw it
+        assert f"({seen_by_hook[optimizer_name]}.step() ran)" in str(error.value)
 
 
-def test_no_step_between_trains_as_before() -> None:
+def _train(model: nn.Module, optim: torch.optim.Optimizer, pattern: str) -> None:
+    """Usual loops, each with its optimizer step where it belongs."""
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        if pattern == "step-after-backward":
+            model(x).sum().backward()
+        elif pattern == "no-sync-micro-batches":
+            for micro_batch in range(3):
+                model.set_requires_gradient_sync(micro_batch == 2)
+                model(x).sum().backward()
+        elif pattern == "two-forwards-one-backward":
+            (model(x).sum() + model(2 * x).sum()).backward()
+        elif pattern == "eval-then-step":
+            model(x).sum().backward()
+            with torch.no_grad():
+                model(x)
+        optim.step()
+        optim.zero_grad()
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "step-after-backward",
+        "no-sync-micro-batches",
+        "two-forwards-one-backward",
+        "eval-then-step",
+    ],
+)
+@pytest.mark.parametrize("optimizer_name", ["adamw", "adamw-foreach", "adamw-local-shards"])
+def test_step_after_backward_raises_nothing(pattern: str, optimizer_name: str) -> None:
+    """No error, as with torch's FSDP2 (the fake process group's values are garbage:
+    only the behaviour is compared; the numerics of these loops are tested on gloo)."""
+    with fake_mesh(2) as mesh:
+        for shard in (torch_fully_shard, fully_shard):
+            model = _shard(_model(), shard, mesh, reshard_after_forward=True)
+            name = optimizer_name
+            if shard is torch_fully_shard:  # step_on_local_shards is ours
+                name = optimizer_name.replace("-local-shards", "-foreach")
+            _train(model, OPTIMIZERS[name](model.parameters()), pattern)
+
+
+def test_step_of_other_params_is_not_an_error() -> None:
+    """An optimizer over other parameters (a second model) may step in between."""
     with fake_mesh(2) as mesh:
         model = _shard(_model(), fully_shard, mesh, reshard_after_forward=True)
-        optim = torch.optim.AdamW(model.parameters(), lr=0.1)
-        for _ in range(3):
-            model(torch.randn(4, 8)).sum().backward()
-            optim.step()
-            optim.zero_grad()
+        other = nn.Linear(2, 2)
+        other(torch.randn(1, 2)).sum().backward()
+        other_optim = torch.optim.AdamW(other.parameters(), lr=0.1, foreach=True)
+        loss = model(torch.randn(4, 8)).sum()
+        other_optim.step()
+        loss.backward()
