@@ -1,6 +1,7 @@
 """FSDPModule, the class ``fully_shard`` mixes into each module it shards, with its
 ``set_*`` methods and ``unshard``/``reshard``, and UnshardHandle."""
 
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ from .api import (
     FSDPGroupInfo,
     ReduceScatter,
 )
+from .graph.switch import is_graph_mode
 from .io.state_dict import residual_states, validate_state_dict
 from .observe.consistency import CollectiveCheck
 from .observe.flight_recorder import FlightRecorder
@@ -159,7 +161,16 @@ class FSDPModule:
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
         """Whether backward reduce-scatters gradients. ``False`` accumulates unsharded
-        gradients locally (gradient accumulation without communication)."""
+        gradients locally (gradient accumulation without communication). Graph mode
+        reduces every micro-batch: there it warns and changes nothing."""
+        if not requires_gradient_sync and is_graph_mode(self):
+            warnings.warn(
+                f"{type(self).__name__} is in graph mode, which reduce-scatters every "
+                "micro-batch: set_requires_gradient_sync(False) changes nothing (the "
+                "accumulated gradients are the same sums; the communication is not "
+                "saved). Accumulate in eager mode to skip it (docs/graph.md)",
+                stacklevel=2,
+            )
         for group in self._groups(recurse):
             group.requires_gradient_sync = requires_gradient_sync
 

@@ -41,10 +41,11 @@ def compile(
         ``model`` itself (compiled with ``nn.Module.compile``: its state-dict keys do
         not change).
     """
+    inductor_options = {**inductor_mode_options(mode), **(options or {})}
+    graph_backend(backend, None, None, inductor_options)  # bad arguments fail before the switch
     enable_graph_mode(model)
     if bucketing and bucket_mb is None:
         bucket_mb = default_bucket_mb(model)
-    inductor_options = {**inductor_mode_options(mode), **(options or {})}
     model.compile(
         backend=graph_backend(backend, bucket_mb if bucketing else None, None, inductor_options),
         fullgraph=fullgraph,

@@ -1,6 +1,7 @@
 """Graph mode's numerics on gloo: compiled without fusion (``aot_eager``) it trains
 bitwise like our eager FSDP and torch's ``fully_shard`` (losses and local shards over
-5 AdamW steps; fp32 and bf16 mixed precision, W=2; HSDP 2x2), with bucketing on, with
+5 AdamW steps; fp32 and bf16 mixed precision, W=2; HSDP 2x2; FSDP 2 x TP 2), with
+bucketing on, with
 our clip_grad_norm_ and local-shard optimizer step, and with gradient accumulation;
 with inductor, as close to eager as the plain model compiled the same way is to its
 own eager run.
@@ -11,13 +12,16 @@ then one division), and ``aot_eager`` runs the traced ATen ops as eager runs the
 Bucketing merges collectives, which sums the same terms elementwise.
 """
 
+import dataclasses
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 import dtensor_fsdp
-from dtensor_fsdp.models.llama import Llama
+from dtensor_fsdp import fully_shard
+from dtensor_fsdp.models.llama import Llama, apply_tensor_parallel
 from dtensor_fsdp.optim import step_on_local_shards
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._tiny_llama import uneven_config
@@ -29,7 +33,7 @@ LR = 1e-2
 
 def _tokens(rank: int, step: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randint(0, uneven_config().vocab_size, (2, 9), generator=generator)
+    return torch.randint(0, 96, (2, 9), generator=generator)  # < every vocab_size here
 
 
 def _train(model, rank: int, *, steps: int = STEPS, micro_batches: int = 1, clip: bool = False,
@@ -113,11 +117,37 @@ def _scenarios(rank: int, world_size: int) -> dict:
     })
 
 
-def _hsdp(rank: int, world_size: int) -> dict:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    # torch's HSDP is bitwise ours in eager (tests/runtime/scenarios/test_scenarios_2d.py):
-    # graph mode against our eager is enough here.
-    return run_scenarios({"hsdp": lambda: _three_ways(mesh, rank, with_torch=False)})
+def _four_ranks(rank: int, world_size: int) -> dict:
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    # torch's HSDP and FSDP+TP are bitwise ours in eager (tests/runtime/scenarios/
+    # test_scenarios_2d.py): graph mode against our eager is enough here.
+    return run_scenarios({
+        "hsdp": lambda: _three_ways(hsdp, rank, with_torch=False),
+        "tp": lambda: _tensor_parallel(tp),
+    })
+
+
+def _tensor_parallel(mesh) -> dict:
+    """FSDP over "dp" x TP over "tp" (Megatron-style, sequence parallel): our eager and
+    graph mode (aot_eager), each TP pair on its data-parallel rank's tokens."""
+    config = dataclasses.replace(uneven_config(), vocab_size=96)  # TP splits the vocabulary
+
+    def build():
+        torch.manual_seed(0)
+        model = Llama(config)
+        apply_tensor_parallel(model, mesh["tp"])
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return model
+
+    dp_rank = mesh["dp"].get_local_rank()
+    eager = _train(build(), dp_rank, steps=3)
+    torch._dynamo.reset()
+    graph_model = build()
+    dtensor_fsdp.compile(graph_model, backend="aot_eager")
+    return {"eager": eager, "graph": _train(graph_model, dp_rank, steps=3)}
 
 
 def _assert_bitwise(records: list[dict]) -> None:
@@ -145,5 +175,7 @@ def test_graph_mode_trains_bitwise_like_eager() -> None:
         assert ours_param <= 10 * plain_param + 3 * LR, record
 
 
-def test_hsdp_trains_bitwise_like_eager() -> None:
-    _assert_bitwise(scenario_records(run_distributed(_hsdp, 4, timeout=600), "hsdp"))
+def test_hsdp_and_tensor_parallel_train_bitwise_like_eager() -> None:
+    run = run_distributed(_four_ranks, 4, timeout=600)
+    _assert_bitwise(scenario_records(run, "hsdp"))
+    _assert_bitwise(scenario_records(run, "tp"))

@@ -190,3 +190,15 @@ def test_unsupported_features_raise_before_switching(mesh) -> None:
     fully_shard(offloaded, mesh=mesh, offload_policy=CPUOffloadPolicy())
     with pytest.raises(NotImplementedError, match="CPU offload"):
         dtensor_fsdp.enable_graph_mode(offloaded)
+
+
+def test_settings_graph_mode_does_not_take(mesh) -> None:
+    """No-sync accumulation is eager's: in graph mode it warns (the gradients stay
+    right: every micro-batch is reduced); ``mode``/``options`` are inductor's."""
+    model = build_llama(uneven_config(), mesh)
+    with pytest.raises(ValueError, match="inductor's"):
+        dtensor_fsdp.compile(model, backend="aot_eager", mode="reduce-overhead")
+    assert not is_graph_mode(model)  # refused before switching
+    dtensor_fsdp.enable_graph_mode(model)
+    with pytest.warns(UserWarning, match="graph mode, which reduce-scatters every micro-batch"):
+        model.set_requires_gradient_sync(False)
