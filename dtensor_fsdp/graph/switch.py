@@ -17,6 +17,7 @@ the sharded DTensor's ``.grad``.
 Settings are read when graph mode is enabled: enable it again after changing one.
 """
 
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ from .gather import GatherSpec, ReductionSpec, ShardSpec, gather
 # annotation (``torch.fx.traceback.annotate``); `backend.mark_reshard` finds them.
 RESHARD_ANNOTATION = {"dtensor_fsdp": "reshard_after_forward"}
 _GRAPH = "_dtensor_fsdp_graph"  # an FSDP module's __dict__ key: its `ModuleGather`
+_EAGER_FORWARD = "_dtensor_fsdp_eager_forward"  # an instance ``forward`` found at enable
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,10 @@ def disable_graph_mode(root: nn.Module) -> None:
             for name in _bindable_names(module):
                 module.__dict__.pop(_bound_attribute(name), None)
             module.__class__ = original
+        if _GRAPH in module.__dict__:
+            del module.__dict__["forward"]
+            if _EAGER_FORWARD in module.__dict__:
+                module.__dict__["forward"] = module.__dict__.pop(_EAGER_FORWARD)
     for state in states:
         was_graph = False
         for module in state.modules:
@@ -230,22 +236,28 @@ def _reduction_spec(group: FSDPParamGroup, params: list[FSDPParam]) -> Reduction
 
 # Class swaps #
 
-_GRAPH_CLASSES: dict[tuple[type, tuple[str, ...], bool], type] = {}
+_GRAPH_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
 def _swap_class(module: nn.Module) -> None:
+    """The properties live on a class (a property on an instance does nothing); the
+    gathering forward on the instance, so that it wraps whatever ``forward`` the
+    instance had (code that patches ``block.forward``, as activation checkpointing
+    recipes do, would otherwise shadow a class-level one)."""
     cls = type(module)
     names = tuple(sorted(_bindable_names(module)))
-    is_fsdp = _GRAPH in module.__dict__
-    key = (cls, names, is_fsdp)
-    if key not in _GRAPH_CLASSES:
+    if (cls, names) not in _GRAPH_CLASSES:
         namespace: dict[str, Any] = {name: _bound_property(name) for name in names}
         namespace.update({_bound_attribute(name): None for name in names})
         namespace["_dtensor_fsdp_eager_class"] = cls
-        if is_fsdp:
-            namespace["forward"] = _graph_forward(cls.forward)
-        _GRAPH_CLASSES[key] = type(f"Graph{cls.__name__}", (cls,), namespace)
-    module.__class__ = _GRAPH_CLASSES[key]
+        _GRAPH_CLASSES[cls, names] = type(f"Graph{cls.__name__}", (cls,), namespace)
+    if _GRAPH in module.__dict__:
+        own = module.__dict__.get("forward")
+        if own is not None:
+            module.__dict__[_EAGER_FORWARD] = own
+        inner = own if own is not None else types.MethodType(cls.forward, module)
+        module.__dict__["forward"] = types.MethodType(_graph_forward(inner), module)
+    module.__class__ = _GRAPH_CLASSES[cls, names]
 
 
 def _bindable_names(module: nn.Module) -> list[str]:
@@ -271,6 +283,8 @@ def _bound_property(name: str) -> property:
 
 
 def _graph_forward(forward: Any) -> Any:
+    """``forward`` (bound) wrapped: gather and bind, run, unbind (also on an error)."""
+
     def graph_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         plan: ModuleGather = self.__dict__[_GRAPH]
         if plan.input_device is not None:
@@ -279,7 +293,7 @@ def _graph_forward(forward: Any) -> Any:
             args, kwargs = cast_floating((args, kwargs), plan.input_dtype)
         bound = _bind(plan)
         try:
-            output = forward(self, *args, **kwargs)
+            output = forward(*args, **kwargs)
         finally:
             for module, name in bound:
                 setattr(module, _bound_attribute(name), None)

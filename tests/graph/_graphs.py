@@ -8,11 +8,13 @@ declines to compile under a user dispatch mode), so the tests show this counter 
 with it where both can look: the same graph-mode model run uncompiled.
 """
 
+import types
 from collections import Counter
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import dtensor_fsdp
 from dtensor_fsdp import MixedPrecisionPolicy, fully_shard
@@ -87,9 +89,18 @@ class ResidualBlock(nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
-def build_blocks(mesh: Any, *, n_blocks: int = 2, dim: int = 16, checkpoint: bool = False):
+def build_blocks(
+    mesh: Any,
+    *,
+    n_blocks: int = 2,
+    dim: int = 16,
+    checkpoint: bool = False,
+    patch_forward: bool = False,
+):
     """Residual MLP blocks (each sharded, optionally activation-checkpointed) and a
-    sharded root with a head: the model for what the Llama cannot show."""
+    sharded root with a head: the model for what the Llama cannot show.
+    ``patch_forward``: checkpoint each block by replacing its instance ``forward``
+    before ``fully_shard``, as train.py's ``--activation-checkpointing`` does."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         checkpoint_wrapper,
     )
@@ -98,6 +109,13 @@ def build_blocks(mesh: Any, *, n_blocks: int = 2, dim: int = 16, checkpoint: boo
     blocks = [ResidualBlock(dim) for _ in range(n_blocks)]
     if checkpoint:
         blocks = [checkpoint_wrapper(block) for block in blocks]
+    if patch_forward:
+        for block in blocks:
+            body = type(block).forward
+            block.forward = types.MethodType(
+                lambda self, x, body=body: torch_checkpoint(body, self, x, use_reentrant=False),
+                block,
+            )
     model = nn.Sequential(*blocks, nn.Linear(dim, 1))
     for block in blocks:
         fully_shard(block, mesh=mesh)
@@ -110,9 +128,7 @@ def compile_counting(
 ) -> None:
     """Graph mode with the aot_eager backend, ``counter`` seeing every compiled graph."""
     dtensor_fsdp.enable_graph_mode(model)
-    model.compile(
-        backend=graph_backend("aot_eager", bucket_mb, inspect=counter), fullgraph=True
-    )
+    model.compile(backend=graph_backend("aot_eager", bucket_mb, inspect=counter), fullgraph=True)
 
 
 def llama_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

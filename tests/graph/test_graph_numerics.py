@@ -36,8 +36,15 @@ def _tokens(rank: int, step: int) -> torch.Tensor:
     return torch.randint(0, 96, (2, 9), generator=generator)  # < every vocab_size here
 
 
-def _train(model, rank: int, *, steps: int = STEPS, micro_batches: int = 1, clip: bool = False,
-           local_step: bool = False) -> dict:
+def _train(
+    model,
+    rank: int,
+    *,
+    steps: int = STEPS,
+    micro_batches: int = 1,
+    clip: bool = False,
+    local_step: bool = False,
+) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     if local_step:
         step_on_local_shards(optimizer)
@@ -105,16 +112,18 @@ def _distance(a: dict, b: dict) -> tuple[float, float]:
 
 def _scenarios(rank: int, world_size: int) -> dict:
     mesh = init_device_mesh("cpu", (world_size,))
-    return run_scenarios({
-        "fp32": lambda: _three_ways(mesh, rank),
-        "bf16": lambda: _three_ways(mesh, rank, mixed=True),
-        # Graph mode reduces every micro-batch (no-sync is eager's only: docs/graph.md):
-        # the same sums as eager's without set_requires_gradient_sync(False).
-        "clip_local_step_accumulation": lambda: _three_ways(
-            mesh, rank, steps=2, micro_batches=2, clip=True, local_step=True
-        ),
-        "inductor": lambda: _inductor_against_plain(mesh, rank),
-    })
+    return run_scenarios(
+        {
+            "fp32": lambda: _three_ways(mesh, rank),
+            "bf16": lambda: _three_ways(mesh, rank, mixed=True),
+            # Graph mode reduces every micro-batch (no-sync is eager's only: docs/graph.md):
+            # the same sums as eager's without set_requires_gradient_sync(False).
+            "clip_local_step_accumulation": lambda: _three_ways(
+                mesh, rank, steps=2, micro_batches=2, clip=True, local_step=True
+            ),
+            "inductor": lambda: _inductor_against_plain(mesh, rank),
+        }
+    )
 
 
 def _four_ranks(rank: int, world_size: int) -> dict:
@@ -122,10 +131,12 @@ def _four_ranks(rank: int, world_size: int) -> dict:
     tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     # torch's HSDP and FSDP+TP are bitwise ours in eager (tests/runtime/scenarios/
     # test_scenarios_2d.py): graph mode against our eager is enough here.
-    return run_scenarios({
-        "hsdp": lambda: _three_ways(hsdp, rank, with_torch=False),
-        "tp": lambda: _tensor_parallel(tp),
-    })
+    return run_scenarios(
+        {
+            "hsdp": lambda: _three_ways(hsdp, rank, with_torch=False),
+            "tp": lambda: _tensor_parallel(tp),
+        }
+    )
 
 
 def _tensor_parallel(mesh) -> dict:

@@ -137,6 +137,19 @@ def test_activation_checkpointing(mesh) -> None:
     assert backward == Counter(all_gather=2, reduce_scatter=3)
 
 
+def test_instance_forward_is_wrapped(mesh) -> None:
+    """A block whose instance ``forward`` was replaced before ``fully_shard`` (train.py's
+    activation checkpointing) still gathers in graph mode, and back in eager mode keeps
+    its own forward."""
+    model = build_blocks(mesh, patch_forward=True)
+    patched = model[0].__dict__["forward"]
+    forward, backward = _compiled_step_counts_of(model, torch.randn(4, 16))
+    assert forward == Counter(all_gather=3)
+    assert backward == Counter(all_gather=2, reduce_scatter=3)
+    dtensor_fsdp.disable_graph_mode(model)
+    assert model[0].__dict__["forward"] is patched
+
+
 @pytest.mark.xfail(
     TORCH_VERSION >= (2, 12),
     reason="torch >= 2.12 bug: AOT autograd saves a DTensor's DeviceMesh (an opaque "
