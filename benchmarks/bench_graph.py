@@ -81,13 +81,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from _bench_spawn import run_ranks
 
 import dtensor_fsdp
-from dtensor_fsdp.optim import step_on_local_shards
 from dtensor_fsdp.models.llama import (
     Llama,
     LlamaConfig,
     cross_entropy_loss,
     swiglu_hidden_dim,
 )
+from dtensor_fsdp.optim import step_on_local_shards
 from tests._c10d import KINDS, C10dRecorder, count_of
 
 CONFIGS = ("plain", "ours", "graph", "torch", "torch+compile")

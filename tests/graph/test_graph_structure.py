@@ -161,6 +161,7 @@ def test_activation_checkpointing_llama(mesh) -> None:
     model = build_llama(uneven_config(), mesh, checkpoint_blocks=True)
     forward, backward = _compiled_step_counts(model, None)
     assert forward == Counter(all_gather=3)
+    assert backward == Counter(all_gather=2, reduce_scatter=3)
 
 
 def test_parameters_and_state_dict_unchanged(mesh) -> None:
