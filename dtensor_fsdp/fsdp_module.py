@@ -157,20 +157,21 @@ class FSDPModule:
         del is_last_backward
         self._get_fsdp_state()  # the same error as torch's on a module without state
 
+    def _warn_if_graph_mode(self, setter: str) -> None:
+        """Graph mode reads the settings when it is enabled (dtensor_fsdp/graph)."""
+        if is_graph_mode(self):
+            warnings.warn(
+                f"{type(self).__name__} is in graph mode, which read its settings when it "
+                f"was enabled: {setter} takes effect once dtensor_fsdp.compile (or "
+                "enable_graph_mode) runs again",
+                stacklevel=3,
+            )
+
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
         """Whether backward reduce-scatters gradients. ``False`` accumulates unsharded
-        gradients locally (gradient accumulation without communication). Graph mode
-        reduces every micro-batch: there it warns and changes nothing."""
-        if not requires_gradient_sync and is_graph_mode(self):
-            warnings.warn(
-                f"{type(self).__name__} is in graph mode, which reduce-scatters every "
-                "micro-batch: set_requires_gradient_sync(False) changes nothing (the "
-                "accumulated gradients are the same sums; the communication is not "
-                "saved). Accumulate in eager mode to skip it (docs/graph.md)",
-                stacklevel=2,
-            )
+        gradients locally (gradient accumulation without communication)."""
         for group in self._groups(recurse):
             group.requires_gradient_sync = requires_gradient_sync
 
@@ -179,6 +180,7 @@ class FSDPModule:
         still reduce-scatters within the shard axis and keeps the partial result, which
         the next backward with all-reduce adds in (gradient accumulation across nodes
         at intra-node cost). No effect on a 1-D mesh."""
+        self._warn_if_graph_mode("set_requires_all_reduce")
         for group in self._groups(recurse):
             group.reduction.requires_all_reduce = requires_all_reduce
 
@@ -186,6 +188,7 @@ class FSDPModule:
         """Whether to free the unsharded parameters after forward (to the full mesh:
         it replaces an int ``reshard_after_forward``, as torch's). Set before the first
         forward, it holds for the root too, which otherwise keeps its parameters."""
+        self._warn_if_graph_mode("set_reshard_after_forward")
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
         for state in self._fsdp_states(recurse):
@@ -470,6 +473,7 @@ class FSDPModule:
         """Divide reduced gradients by ``factor`` instead of the data-parallel world size
         (e.g. 1.0 when the loss is already a global mean). Not recursive, as torch's:
         torchtitan calls it on every FSDP module."""
+        self._warn_if_graph_mode("set_gradient_divide_factor")
         if factor <= 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
         for group in self._own_groups():
@@ -478,6 +482,7 @@ class FSDPModule:
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Only ever ask collectives to SUM (no AVG or PREMUL_SUM), dividing separately.
         Not recursive, as torch's. On gloo this is always the case."""
+        self._warn_if_graph_mode("set_force_sum_reduction_for_comms")
         for group in self._own_groups():
             group.reduction.force_sum_reduction = enable
 
@@ -487,6 +492,7 @@ class FSDPModule:
         """Reduce-scatter zeros for trainable parameters that got no gradient, so ranks
         that used different parameters (conditional compute, MoE) still issue the same
         collective. Like DDP's ``find_unused_parameters``."""
+        self._warn_if_graph_mode("set_reduce_scatter_unused_params")
         for group in self._groups(recurse):
             group.reduction.reduce_scatter_unused_params = reduce_scatter_unused_params
 

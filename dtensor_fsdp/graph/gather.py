@@ -30,6 +30,7 @@ class ShardSpec:
     dim: int  # the sharded dim
     dtype: torch.dtype  # the sharded param's: its gradient lands in it
     gather_dtype: torch.dtype  # mixed precision's param_dtype, else ``dtype``
+    requires_grad: bool  # frozen parameters are gathered, never reduced
 
     @property
     def padded_local_numel(self) -> int:
@@ -51,6 +52,7 @@ class ReductionSpec:
     replicate_group: str | None  # HSDP: the all-reduce over the replicate axis
     replicate_size: int
     all_reduce_op: str
+    land_unused: bool  # set_reduce_scatter_unused_params: unused params get the reduced zeros
 
 
 @dataclass(frozen=True)
@@ -70,59 +72,117 @@ class GatherSpec:
         )
 
 
-def gather(spec: GatherSpec, locals_: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def gather(
+    spec: GatherSpec,
+    locals_: list[torch.Tensor],
+    sync: bool = True,
+    accumulator: torch.Tensor | None = None,
+    pending: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """The unsharded parameters (``spec.shards[i].shape``, in ``gather_dtype``) of the
-    local shards ``locals_``; their gradients come back reduced and sharded."""
-    return GroupGather.apply(spec, *locals_)
+    local shards ``locals_``; the gradients of the trainable ones come back reduced and
+    sharded (frozen ones get none, as in eager: not computed, not reduced).
+
+    Gradient accumulation without sync (``sync=False``): nothing is reduced; the
+    unsharded gradients, in the reduce dtype and rank-major as the reduction takes them
+    ((W * sum of the trainable padded local numels,)), become the gradient of
+    ``accumulator`` (a leaf: autograd sums them over the micro-batches, as eager sums
+    its unsharded grads). The syncing micro-batch passes that sum as ``pending``: it is
+    added before the reduction, in eager's order."""
+    if not torch.is_grad_enabled() or not any(s.requires_grad for s in spec.shards):
+        return all_gather(spec, locals_)  # nothing to differentiate: no autograd node
+    return GroupGather.apply(spec, sync, accumulator, pending, *locals_)
+
+
+def all_gather(spec: GatherSpec, locals_: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The forward: cast, pad, one all-gather of the concatenated shards, split."""
+    rows = [_padded_rows(local, shard) for local, shard in zip(locals_, spec.shards)]
+    if spec.world_size == 1:
+        return tuple(_unsharded(row.unsqueeze(0), s) for row, s in zip(rows, spec.shards))
+    flat = torch.cat([row.reshape(-1) for row in rows])
+    gathered = _ops.wait_tensor(_ops.all_gather_into_tensor(flat, spec.world_size, spec.group))
+    by_rank = gathered.view(spec.world_size, -1)  # (W, sum of padded local numels)
+    outputs = []
+    offset = 0
+    for shard in spec.shards:
+        chunk = by_rank[:, offset : offset + shard.padded_local_numel]
+        outputs.append(_unsharded(chunk, shard))
+        offset += shard.padded_local_numel
+    return tuple(outputs)
 
 
 class GroupGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, spec: GatherSpec, *locals_: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any,
+        spec: GatherSpec,
+        sync: bool,
+        accumulator: torch.Tensor | None,
+        pending: torch.Tensor | None,
+        *locals_: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         ctx.spec = spec
-        rows = [_padded_rows(local, shard) for local, shard in zip(locals_, spec.shards)]
-        if spec.world_size == 1:
-            return tuple(_unsharded(row.unsqueeze(0), s) for row, s in zip(rows, spec.shards))
-        flat = torch.cat([row.reshape(-1) for row in rows])
-        gathered = _ops.wait_tensor(_ops.all_gather_into_tensor(flat, spec.world_size, spec.group))
-        by_rank = gathered.view(spec.world_size, -1)  # (W, sum of padded local numels)
-        outputs = []
-        offset = 0
-        for shard in spec.shards:
-            chunk = by_rank[:, offset : offset + shard.padded_local_numel]
-            outputs.append(_unsharded(chunk, shard))
-            offset += shard.padded_local_numel
-        return tuple(outputs)
+        ctx.sync = sync
+        ctx.save_for_backward(pending)
+        # A parameter the forward leaves unused gets no gradient (None), as in eager.
+        ctx.set_materialize_grads(False)
+        outputs = all_gather(spec, locals_)
+        ctx.mark_non_differentiable(
+            *(out for out, shard in zip(outputs, spec.shards) if not shard.requires_grad)
+        )
+        return outputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         spec: GatherSpec = ctx.spec
         reduction = spec.reduction
+        trainable = [(g, s) for g, s in zip(grads, spec.shards) if s.requires_grad]
+        # autograd calls this only if some output has a gradient.
+        device = next(g for g in grads if g is not None).device
         chunks = [
-            _rank_major(grad, shard, spec.world_size, reduction.reduce_dtype)
-            for grad, shard in zip(grads, spec.shards)
+            _rank_major(grad, shard, spec.world_size, reduction.reduce_dtype, device)
+            for grad, shard in trainable
         ]
-        reduce_input = torch.cat(chunks, dim=1)  # (W, sum of padded local numels)
-        if reduction.pre_divisor != 1.0:
-            reduce_input = reduce_input / reduction.pre_divisor
-        reduced = _reduce_scatter(reduce_input, spec)
-        if reduction.replicate_group is not None:
-            reduced = _ops.wait_tensor(
-                _ops.all_reduce(reduced, reduction.all_reduce_op, reduction.replicate_group)
-            )
-        if reduction.post_divisor != 1.0:
-            reduced = reduced / reduction.post_divisor
-        sharded: list[torch.Tensor | None] = [None]
-        offset = 0
-        for shard, needs in zip(spec.shards, ctx.needs_input_grad[1:]):
-            piece = reduced[offset : offset + shard.padded_local_numel]
-            offset += shard.padded_local_numel
-            if not needs:
-                sharded.append(None)
-                continue
-            local = piece.view(shard.padded_local_shape)[: shard.local_shape[0]]
-            sharded.append(local.to(shard.dtype))
-        return tuple(sharded)
+        reduce_input = torch.cat(chunks, dim=1)  # (W, sum of trainable padded local numels)
+        (pending,) = ctx.saved_tensors
+        if pending is not None:
+            reduce_input = pending.view_as(reduce_input) + reduce_input
+        unused = (None,) * len(grads)
+        if not ctx.sync:
+            return (None, None, reduce_input.reshape(-1), None, *unused)
+        return (None, None, None, None, *_reduced_shards(reduce_input, spec, grads))
+
+
+def _reduced_shards(
+    reduce_input: torch.Tensor, spec: GatherSpec, grads: tuple[torch.Tensor | None, ...]
+) -> list[torch.Tensor | None]:
+    """Reduce (W, n) and cut this rank's chunk into each trainable parameter's sharded
+    gradient; None for frozen ones, and for unused ones unless the group reduces
+    unused parameters' zeros (``set_reduce_scatter_unused_params``), as eager."""
+    reduction = spec.reduction
+    if reduction.pre_divisor != 1.0:
+        reduce_input = reduce_input / reduction.pre_divisor
+    reduced = _reduce_scatter(reduce_input, spec)
+    if reduction.replicate_group is not None:
+        reduced = _ops.wait_tensor(
+            _ops.all_reduce(reduced, reduction.all_reduce_op, reduction.replicate_group)
+        )
+    if reduction.post_divisor != 1.0:
+        reduced = reduced / reduction.post_divisor
+    sharded: list[torch.Tensor | None] = []
+    offset = 0
+    for grad, shard in zip(grads, spec.shards):
+        if not shard.requires_grad:
+            sharded.append(None)
+            continue
+        piece = reduced[offset : offset + shard.padded_local_numel]
+        offset += shard.padded_local_numel
+        if grad is None and not reduction.land_unused:
+            sharded.append(None)
+            continue
+        local = piece.view(shard.padded_local_shape)[: shard.local_shape[0]]
+        sharded.append(local.to(shard.dtype))
+    return sharded
 
 
 def _padded_rows(local: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
@@ -147,11 +207,17 @@ def _unsharded(chunk: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
 
 
 def _rank_major(
-    grad: torch.Tensor, shard: ShardSpec, world_size: int, dtype: torch.dtype
+    grad: torch.Tensor | None,
+    shard: ShardSpec,
+    world_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
     """``grad`` (unsharded) in ``dtype`` as (W, padded_local_numel): rank r's chunk in
-    row r, the padding zero. (autograd hands a parameter the forward left unused
-    zeros, so it reduces zeros.)"""
+    row r, the padding zero. A parameter the forward left unused (None) reduces zeros,
+    so every rank issues the same collective."""
+    if grad is None:
+        return torch.zeros(world_size, shard.padded_local_numel, dtype=dtype, device=device)
     grad = grad.to(dtype)
     if shard.dim != 0:
         return torch.stack(grad.chunk(world_size, dim=shard.dim)).reshape(world_size, -1)

@@ -50,10 +50,23 @@ class BoundParam:
 
 
 @dataclass(frozen=True)
+class Gather:
+    """One gather of an FSDP module's forward: what it gathers and where it binds it."""
+
+    spec: GatherSpec
+    params: tuple[BoundParam, ...]
+    reshard: bool  # re-gathered in backward (reshard_after_forward)
+    group: FSDPParamGroup  # read at each trace: requires_gradient_sync
+    # Gradient accumulation without sync: a leaf whose ``.grad`` sums the micro-batches'
+    # unsharded gradients (gather.py). Expanded from one element: it holds no memory.
+    accumulator: torch.Tensor
+
+
+@dataclass(frozen=True)
 class ModuleGather:
     """What one FSDP module's forward gathers, and how it treats inputs and outputs."""
 
-    gathers: tuple[tuple[GatherSpec, tuple[BoundParam, ...], bool], ...]  # (spec, params, reshard)
+    gathers: tuple[Gather, ...]
     input_dtype: torch.dtype | None  # mixed precision's cast_forward_inputs
     output_dtype: torch.dtype | None
     input_device: torch.device | None  # the root moves host inputs to the mesh's device
@@ -75,6 +88,11 @@ def enable_graph_mode(root: nn.Module) -> None:
     for state in states:
         _check_supported(state)
     disable_graph_mode(root)
+    # Sharded parameters registered everywhere: a root kept unsharded after a no_grad
+    # forward (as torch's) would otherwise be bound as plain Parameters.
+    for state in states:
+        for group in state.groups:
+            group.reshard()
     for state in states:
         for handles in state.forward_hook_handles:
             for handle in handles:
@@ -82,17 +100,17 @@ def enable_graph_mode(root: nn.Module) -> None:
         state.forward_hook_handles.clear()
         for module in state.modules:
             module.__dict__[_GRAPH] = _module_gather(state, module, is_root=state is root_state)
-    for module in _graph_modules(states):
-        _swap_class(module)
+    for module, names in _graph_modules(states).items():
+        _swap_class(module, names)
 
 
 def disable_graph_mode(root: nn.Module) -> None:
     """Back to eager mode: the original classes and FSDP's hooks."""
     states = states_under((root,))
-    for module in _graph_modules(states):
+    for module, names in _graph_modules(states).items():
         original = getattr(type(module), "_dtensor_fsdp_eager_class", None)
         if original is not None:
-            for name in _bindable_names(module):
+            for name in names:
                 module.__dict__.pop(_bound_attribute(name), None)
             module.__class__ = original
         if _GRAPH in module.__dict__:
@@ -117,20 +135,21 @@ def gather_specs(root: nn.Module) -> list[GatherSpec]:
         spec
         for module in root.modules()
         if _GRAPH in module.__dict__
-        for spec, _, _ in module.__dict__[_GRAPH].gathers
+        for spec in (planned.spec for planned in module.__dict__[_GRAPH].gathers)
     ]
 
 
-def _graph_modules(states: list[FSDPState]) -> list[nn.Module]:
-    """Every module whose class graph mode swaps: FSDP modules and owners of params."""
-    seen: dict[int, nn.Module] = {}
+def _graph_modules(states: list[FSDPState]) -> dict[nn.Module, tuple[str, ...]]:
+    """Every module whose class graph mode swaps (FSDP modules and owners of sharded
+    parameters), with the names of the sharded parameters it owns."""
+    names: dict[nn.Module, set[str]] = {}
     for state in states:
         for module in state.modules:
-            seen[id(module)] = module
+            names.setdefault(module, set())
         for fsdp_param in state.fsdp_params():
             for slot in fsdp_param.slots:
-                seen[id(slot.module)] = slot.module
-    return list(seen.values())
+                names.setdefault(slot.module, set()).add(slot.name)
+    return {module: tuple(sorted(owned)) for module, owned in names.items()}
 
 
 def _check_supported(state: FSDPState) -> None:
@@ -147,6 +166,12 @@ def _check_supported(state: FSDPState) -> None:
                 p.extension is not None for p in group.fsdp_params
             ),
         }
+        unsupported["HSDP with set_requires_all_reduce(False)"] = (
+            group.mesh_info.is_hsdp and not reduction.requires_all_reduce
+        )
+        unsupported["register_fsdp_forward_method"] = any(
+            _is_registered_method(value) for m in group.modules for value in vars(m).values()
+        )
         for feature, used in unsupported.items():
             if used:
                 raise NotImplementedError(
@@ -154,6 +179,13 @@ def _check_supported(state: FSDPState) -> None:
                     f"{group.fqn or type(group.modules[0]).__name__!r}): use eager mode "
                     "for this model, or turn it off"
                 )
+
+
+def _is_registered_method(value: object) -> bool:
+    function = getattr(value, "__func__", None)
+    return function is not None and function.__qualname__.startswith(
+        "register_fsdp_forward_method."
+    )
 
 
 def _module_gather(state: FSDPState, module: nn.Module, is_root: bool) -> ModuleGather:
@@ -172,7 +204,7 @@ def _module_gather(state: FSDPState, module: nn.Module, is_root: bool) -> Module
         bound = tuple(BoundParam(tuple((s.module, s.name) for s in p.slots), p) for p in params)
         # lazy_init already cleared it for a root left to decide (torch's default).
         reshard = bool(group.reshard_after_forward)
-        gathers.append((spec, bound, reshard))
+        gathers.append(Gather(spec, bound, reshard, group, _accumulator(spec, group)))
     policy = state.mp_policy
     return ModuleGather(
         gathers=tuple(gathers),
@@ -180,6 +212,12 @@ def _module_gather(state: FSDPState, module: nn.Module, is_root: bool) -> Module
         output_dtype=policy.output_dtype if policy else None,
         input_device=state.device if is_root and state.device.type not in ("cpu", "meta") else None,
     )
+
+
+def _accumulator(spec: GatherSpec, group: FSDPParamGroup) -> torch.Tensor:
+    numel = spec.world_size * sum(s.padded_local_numel for s in spec.shards if s.requires_grad)
+    zero = torch.zeros(1, dtype=spec.reduction.reduce_dtype, device=group.device)
+    return zero.expand(numel).requires_grad_()
 
 
 def _owned_by(fsdp_param: FSDPParam, module: nn.Module) -> bool:
@@ -196,6 +234,7 @@ def _shard_spec(fsdp_param: FSDPParam) -> ShardSpec:
         dim=geometry.dim,
         dtype=fsdp_param.dtype,
         gather_dtype=fsdp_param.param_dtype,
+        requires_grad=fsdp_param.requires_grad,
     )
 
 
@@ -231,6 +270,7 @@ def _reduction_spec(group: FSDPParamGroup, params: list[FSDPParam]) -> Reduction
         replicate_group=replicate_group.group_name if all_reduce else None,
         replicate_size=mesh_info.replicate_size if all_reduce else 1,
         all_reduce_op="avg" if plan.average_in_all_reduce else "sum",
+        land_unused=reduction.reduce_scatter_unused_params,
     )
 
 
@@ -239,13 +279,12 @@ def _reduction_spec(group: FSDPParamGroup, params: list[FSDPParam]) -> Reduction
 _GRAPH_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
-def _swap_class(module: nn.Module) -> None:
+def _swap_class(module: nn.Module, names: tuple[str, ...]) -> None:
     """The properties live on a class (a property on an instance does nothing); the
     gathering forward on the instance, so that it wraps whatever ``forward`` the
     instance had (code that patches ``block.forward``, as activation checkpointing
     recipes do, would otherwise shadow a class-level one)."""
     cls = type(module)
-    names = tuple(sorted(_bindable_names(module)))
     if (cls, names) not in _GRAPH_CLASSES:
         namespace: dict[str, Any] = {name: _bound_property(name) for name in names}
         namespace.update({_bound_attribute(name): None for name in names})
@@ -258,10 +297,6 @@ def _swap_class(module: nn.Module) -> None:
         inner = own if own is not None else types.MethodType(cls.forward, module)
         module.__dict__["forward"] = types.MethodType(_graph_forward(inner), module)
     module.__class__ = _GRAPH_CLASSES[cls, names]
-
-
-def _bindable_names(module: nn.Module) -> list[str]:
-    return [name for name, p in module._parameters.items() if isinstance(p, DTensor)]
 
 
 def _bound_attribute(name: str) -> str:
@@ -306,14 +341,24 @@ def _graph_forward(forward: Any) -> Any:
 
 def _bind(plan: ModuleGather) -> list[tuple[nn.Module, str]]:
     bound = []
-    for spec, params, reshard in plan.gathers:
-        shards = [p.slots[0][0]._parameters[p.slots[0][1]].to_local() for p in params]
-        if reshard:
+    for planned in plan.gathers:
+        shards = [p.slots[0][0]._parameters[p.slots[0][1]].to_local() for p in planned.params]
+        # Dynamo guards on the flag and on whether a sum is pending: a step with
+        # micro-batches without sync runs up to three graphs (no sync, sync with and
+        # without a pending sum), each compiled once.
+        sync = planned.group.requires_gradient_sync
+        # Only a forward that will have a backward consumes the pending sum (not an
+        # evaluation between micro-batches).
+        pending = planned.accumulator.grad if sync and torch.is_grad_enabled() else None
+        if pending is not None:
+            planned.accumulator.grad = None  # consumed by this micro-batch's reduction
+        arguments = (planned.spec, shards, sync, planned.accumulator, pending)
+        if planned.reshard:
             with torch.fx.traceback.annotate(RESHARD_ANNOTATION):
-                unsharded = gather(spec, shards)
+                unsharded = gather(*arguments)
         else:
-            unsharded = gather(spec, shards)
-        for param, tensor in zip(params, unsharded):
+            unsharded = gather(*arguments)
+        for param, tensor in zip(planned.params, unsharded):
             value = _presented(param.fsdp_param, tensor)
             for module, name in param.slots:
                 setattr(module, _bound_attribute(name), value)

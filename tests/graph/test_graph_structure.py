@@ -118,15 +118,6 @@ def test_bucketing_halves_collectives(mesh) -> None:
     assert graph_total <= eager_total / 2, (graph, eager)
 
 
-def test_no_graph_breaks_mixed_precision(mesh) -> None:
-    """bf16 mixed precision compiles as one forward and one backward graph with
-    ``fullgraph=True``, the same collectives as fp32."""
-    model = build_llama(uneven_config(), mesh, mixed=True)
-    forward, backward = _compiled_step_counts(model, None)
-    assert forward == Counter(all_gather=3)
-    assert backward == Counter(all_gather=2, reduce_scatter=3)
-
-
 def test_activation_checkpointing(mesh) -> None:
     """Checkpointed blocks (``checkpoint_wrapper``, the FSDP module around the
     checkpointed one, as torchtitan applies them) compile without breaks; the gathers
@@ -206,13 +197,70 @@ def test_unsupported_features_raise_before_switching(mesh) -> None:
         dtensor_fsdp.enable_graph_mode(offloaded)
 
 
-def test_settings_graph_mode_does_not_take(mesh) -> None:
-    """No-sync accumulation is eager's: in graph mode it warns (the gradients stay
-    right: every micro-batch is reduced); ``mode``/``options`` are inductor's."""
+def test_compile_arguments_checked_before_switching(mesh) -> None:
+    """``mode``/``options`` are inductor's: refused for another backend, before the
+    model is switched."""
     model = build_llama(uneven_config(), mesh)
     with pytest.raises(ValueError, match="inductor's"):
         dtensor_fsdp.compile(model, backend="aot_eager", mode="reduce-overhead")
-    assert not is_graph_mode(model)  # refused before switching
+    assert not is_graph_mode(model)
+
+
+def test_forward_without_grad(mesh) -> None:
+    """Evaluation: a compiled forward under ``no_grad`` and ``inference_mode`` gathers
+    without an autograd node; an eager ``no_grad`` forward before graph mode (which
+    leaves the root unsharded, as torch's) does not stop the switch."""
+    model = build_llama(uneven_config(), mesh)
+    with torch.no_grad():
+        model(TOKENS[:, :-1])  # eager: the root stays unsharded
+    counter = GraphCollectives()
+    compile_counting(model, counter, bucket_mb=None)
+    with torch.no_grad():
+        model(TOKENS[:, :-1])
+    with torch.inference_mode():
+        model(TOKENS[:, :-1])
+    _step(model)
+    assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+
+
+class _OneUsed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(16, 16)
+        self.unused = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_frozen_and_unused_parameters(mesh) -> None:
+    """As eager: a frozen parameter is gathered but gets no gradient (its unsharded
+    tensor does not require one); a parameter the forward leaves unused gets None, or
+    the reduced zeros with ``set_reduce_scatter_unused_params(True)``."""
+    model = fully_shard(_OneUsed(), mesh=mesh)
+    model.used.bias.requires_grad_(False)
+    seen = {}
     dtensor_fsdp.enable_graph_mode(model)
-    with pytest.warns(UserWarning, match="graph mode, which reduce-scatters every micro-batch"):
-        model.set_requires_gradient_sync(False)
+    model.used.register_forward_hook(
+        lambda module, args, out: seen.update(bias=module.bias.requires_grad)
+    )
+    model(torch.randn(4, 16)).sum().backward()
+    assert seen == {"bias": False}
+    assert model.used.bias.grad is None and isinstance(model.used.weight.grad, DTensor)
+    assert model.unused.weight.grad is None and model.unused.bias.grad is None
+    with pytest.warns(UserWarning, match="takes effect once"):
+        model.set_reduce_scatter_unused_params(True)
+    dtensor_fsdp.enable_graph_mode(model)
+    model(torch.randn(4, 16)).sum().backward()
+    assert isinstance(model.unused.weight.grad, DTensor)
+
+
+def test_unsupported_after_enable_warns_and_methods_refused(mesh) -> None:
+    model = build_llama(uneven_config(), mesh)
+    dtensor_fsdp.enable_graph_mode(model)
+    with pytest.warns(UserWarning, match="set_reshard_after_forward takes effect once"):
+        model.set_reshard_after_forward(False)
+    other = build_llama(uneven_config(), mesh)
+    dtensor_fsdp.register_fsdp_forward_method(other, "forward")
+    with pytest.raises(NotImplementedError, match="register_fsdp_forward_method"):
+        dtensor_fsdp.enable_graph_mode(other)
