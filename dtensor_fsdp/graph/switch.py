@@ -76,10 +76,11 @@ def enable_graph_mode(root: nn.Module) -> None:
     """Switch ``root`` (the root of a ``fully_shard`` tree) and everything under it to
     graph mode. Idempotent: enabling again re-reads the settings."""
     root_state = state_of(root)
-    if root_state is None:
+    if root_state is None or root_state.is_root is False:
         raise ValueError(
-            f"graph mode needs the root of a fully_shard tree; {type(root).__name__} was not "
-            "passed to fully_shard: call fully_shard(model) on it first"
+            f"graph mode needs the root of a fully_shard tree; {type(root).__name__} is "
+            + ("not one (another root ran it)" if root_state else "not passed to fully_shard")
+            + ": call it on the model whose forward you run, after fully_shard(model)"
         )
     # As eager's first forward: the root decides who is root, and names the groups
     # (errors below name them).

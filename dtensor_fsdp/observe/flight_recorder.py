@@ -85,6 +85,11 @@ class CollectiveRecord(CollectiveWatch):
             work.wait(self.recorder.slice)
             return
         except RuntimeError as error:
+            if _cannot_time_out(error):
+                # A work type without timed waits (torch's threaded test group): wait
+                # unbounded, as the runtime would without the recorder.
+                work.wait()
+                return
             if work.is_completed():  # it failed, rather than timed out
                 self.recorder.failed(self, error)
                 raise
@@ -253,6 +258,13 @@ class FlightRecorder(CommObserver):
             self.latest = (round_, verdict)
             self._posted_round = max(self._posted_round, round_)
             self._posted.notify_all()
+
+
+def _cannot_time_out(error: RuntimeError) -> bool:
+    """Whether ``work.wait(timeout)`` failed because this work type has no timed wait
+    (``FutureWrappingWork``, behind torch's threaded process group: "wait() with finite
+    timeout not implemented"), not because the collective timed out or failed."""
+    return "finite timeout not implemented" in str(error)
 
 
 def _published_states(records: list[CollectiveRecord]) -> list[str]:

@@ -140,6 +140,20 @@ def _run(impl: str, scenario: str, mesh, rank: int) -> dict:
     return {"error": None, "losses": losses, "finite": finite}
 
 
+def read_records(out: str, world_size: int = 2) -> list[dict]:
+    """What each rank of a launch wrote to ``out`` (``{}`` for a rank that wrote
+    nothing: killed by the backend, or hung), by rank."""
+    records = []
+    for rank in range(world_size):
+        path = f"{out}.rank{rank}.json"
+        if os.path.exists(path):
+            with open(path) as file:
+                records.append(json.load(file))
+        else:
+            records.append({})
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(

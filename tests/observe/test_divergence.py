@@ -6,12 +6,12 @@ every rank within seconds, before the diverging collective.
 Each launch runs ``tests/observe/_divergence_job.py`` on 2 ranks, killed past a deadline.
 """
 
-import json
 from pathlib import Path
 
 import pytest
 
 from tests._torchrun import Launch, torchrun
+from tests.observe._divergence_job import read_records
 
 JOB = Path(__file__).with_name("_divergence_job.py")
 DEADLINE_S = 90.0
@@ -27,11 +27,7 @@ def _run(tmp: Path, impl: str, scenarios: str) -> tuple[Launch, list[dict]]:
         JOB, "--impl", impl, "--scenarios", scenarios, "--out", str(out),
         log=tmp / f"{impl}.log", deadline_s=DEADLINE_S,
     )  # fmt: skip
-    ranks = []
-    for rank in range(2):
-        path = Path(f"{out}.rank{rank}.json")
-        ranks.append(json.loads(path.read_text()) if path.exists() else {})
-    return launch, ranks
+    return launch, read_records(str(out))
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,13 @@ outlives a worker gloo killed; its monitor interval is longer than the answer ti
 that it does not stop the survivors before they report.
 """
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 
 from tests._torchrun import Launch, torchrun
-from tests.observe._divergence_job import DEADLINE_S
+from tests.observe._divergence_job import DEADLINE_S, read_records
 
 JOB = Path(__file__).with_name("_divergence_job.py")
 LAUNCH_DEADLINE_S = 90.0
@@ -35,11 +34,7 @@ def _run(tmp: Path, scenarios: str) -> tuple[Launch, list[dict]]:
         log=tmp / "job.log", deadline_s=LAUNCH_DEADLINE_S, monitor_interval_s=10.0,
         share_store=True,
     )  # fmt: skip
-    ranks = []
-    for rank in range(2):
-        path = Path(f"{out}.rank{rank}.json")
-        ranks.append(json.loads(path.read_text()) if path.exists() else {})
-    return launch, ranks
+    return launch, read_records(str(out))
 
 
 @pytest.fixture(scope="module")
