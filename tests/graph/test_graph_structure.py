@@ -236,24 +236,18 @@ class _OneUsed(torch.nn.Module):
 
 
 def test_frozen_and_unused_parameters(mesh) -> None:
-    """As eager: a frozen parameter is gathered but gets no gradient (its unsharded
-    tensor does not require one); a parameter the forward leaves unused gets None, or
-    the reduced zeros with ``set_reduce_scatter_unused_params(True)``."""
+    """As eager: a frozen parameter is gathered but gets no gradient and is not
+    reduced. Unlike eager, a parameter the compiled forward leaves
+    unused gets a gradient, the reduced zeros: AOT autograd materializes every
+    gradient of a compiled backward (eager: None; docs/graph.md)."""
     model = fully_shard(_OneUsed(), mesh=mesh)
     model.used.bias.requires_grad_(False)
-    seen = {}
-    dtensor_fsdp.enable_graph_mode(model)
-    model.used.register_forward_hook(
-        lambda module, args, out: seen.update(bias=module.bias.requires_grad)
-    )
+    counter = GraphCollectives()
+    compile_counting(model, counter, bucket_mb=None)
     model(torch.randn(4, 16)).sum().backward()
-    assert seen == {"bias": False}
+    _, backward = counter.graphs
+    assert backward == Counter(reduce_scatter=1)
     assert model.used.bias.grad is None and isinstance(model.used.weight.grad, DTensor)
-    assert model.unused.weight.grad is None and model.unused.bias.grad is None
-    with pytest.warns(UserWarning, match="takes effect once"):
-        model.set_reduce_scatter_unused_params(True)
-    dtensor_fsdp.enable_graph_mode(model)
-    model(torch.randn(4, 16)).sum().backward()
     assert isinstance(model.unused.weight.grad, DTensor)
 
 
