@@ -12,6 +12,9 @@
 ``"inductor"`` runs torch's inductor with these passes through its config (patched for
 our compile only); ``"aot_eager"`` runs the same graphs without fusion, eagerly, op for
 op: the backend whose losses and gradients are bitwise the eager ones.
+
+torch._inductor's modules are imported inside the functions that compile: ``import
+dtensor_fsdp`` should not pay for the compiler unless graph mode is used.
 """
 
 import hashlib
@@ -69,22 +72,22 @@ class _MarkReshard(CustomGraphPass):
 def graph_backend(
     name: str,
     bucket_mb: float | None,
-    inspect: Callable[[fx.GraphModule], None] | None = None,
+    on_graph: Callable[[fx.GraphModule], None] | None = None,
     inductor_options: dict[str, Any] | None = None,
 ) -> Callable:
     """The dynamo backend ``name`` (`BACKENDS`) with graph mode's passes; ``bucket_mb``:
-    the bucket size, None for no bucketing (and no reordering). ``inspect`` (aot_eager
+    the bucket size, None for no bucketing (and no reordering). ``on_graph`` (aot_eager
     only): called with each forward and backward graph as it will run.
     ``inductor_options``: inductor config, as ``torch.compile``'s ``options`` (its
     ``mode`` is a set of these: `inductor_mode_options`)."""
     if name == "inductor":
-        if inspect is not None:
-            raise ValueError("inspect is for the aot_eager backend, whose graphs run as seen")
+        if on_graph is not None:
+            raise ValueError("on_graph is for the aot_eager backend, whose graphs run as seen")
         return _inductor(bucket_mb, inductor_options or {})
     if inductor_options:
         raise ValueError(f"mode and options are inductor's; the {name!r} backend takes none")
     if name == "aot_eager":
-        return _aot_eager(bucket_mb, inspect)
+        return _aot_eager(bucket_mb, on_graph)
     raise ValueError(f"graph mode's backend must be one of {BACKENDS}, not {name!r}")
 
 
@@ -104,9 +107,9 @@ def _inductor(bucket_mb: float | None, options: dict[str, Any]) -> Callable:
     if bucket_mb is not None:
         wanted = {
             "bucket_all_gathers_fx": "all",
-            "bucket_all_gathers_fx_bucket_size_determinator": _cap(bucket_mb),
+            "bucket_all_gathers_fx_bucket_size_determinator": _BucketCap(bucket_mb),
             "bucket_reduce_scatters_fx": "all",
-            "bucket_reduce_scatters_fx_bucket_size_determinator": _cap(bucket_mb),
+            "bucket_reduce_scatters_fx_bucket_size_determinator": _BucketCap(bucket_mb),
             "reorder_for_compute_comm_overlap": True,
         }
         for key, value in wanted.items():
@@ -122,13 +125,13 @@ def _inductor(bucket_mb: float | None, options: dict[str, Any]) -> Callable:
 
 
 def _aot_eager(
-    bucket_mb: float | None, inspect: Callable[[fx.GraphModule], None] | None
+    bucket_mb: float | None, on_graph: Callable[[fx.GraphModule], None] | None
 ) -> Callable:
     def compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         if bucket_mb is not None:
             bucket(gm, bucket_mb)
-        if inspect is not None:
-            inspect(gm)
+        if on_graph is not None:
+            on_graph(gm)
         return make_boxed_func(gm.forward)
 
     def partition(joint: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
@@ -143,8 +146,8 @@ def bucket(gm: fx.GraphModule, bucket_mb: float) -> None:
     from torch._inductor.fx_passes.bucketing import bucket_all_gather, bucket_reduce_scatter
     from torch._inductor.pattern_matcher import stable_topological_sort
 
-    bucket_all_gather(gm, _cap(bucket_mb))
-    bucket_reduce_scatter(gm, _cap(bucket_mb))
+    bucket_all_gather(gm, _BucketCap(bucket_mb))
+    bucket_reduce_scatter(gm, _BucketCap(bucket_mb))
     # A merged collective can sit after users of its first member: re-sort (as
     # inductor's post-grad passes do after bucketing).
     stable_topological_sort(gm.graph)
@@ -160,10 +163,6 @@ class _BucketCap:
 
     def __call__(self, bucket_index: int) -> float:
         return self.bucket_mb
-
-
-def _cap(bucket_mb: float) -> Callable[[int], float]:
-    return _BucketCap(bucket_mb)
 
 
 def _warn_once(message: str) -> None:

@@ -166,13 +166,12 @@ def _check_supported(state: FSDPState) -> None:
             "an all-gather extension (fsdp_pre_all_gather)": any(
                 p.extension is not None for p in group.fsdp_params
             ),
+            "HSDP with set_requires_all_reduce(False)": group.mesh_info.is_hsdp
+            and not reduction.requires_all_reduce,
+            "register_fsdp_forward_method": any(
+                _is_registered_method(value) for m in group.modules for value in vars(m).values()
+            ),
         }
-        unsupported["HSDP with set_requires_all_reduce(False)"] = (
-            group.mesh_info.is_hsdp and not reduction.requires_all_reduce
-        )
-        unsupported["register_fsdp_forward_method"] = any(
-            _is_registered_method(value) for m in group.modules for value in vars(m).values()
-        )
         for feature, used in unsupported.items():
             if used:
                 raise NotImplementedError(

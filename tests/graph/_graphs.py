@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import dtensor_fsdp
 from dtensor_fsdp import MixedPrecisionPolicy, fully_shard
-from dtensor_fsdp.graph.backend import graph_backend, mark_reshard  # noqa: F401 (re-export)
+from dtensor_fsdp.graph.backend import graph_backend
 from dtensor_fsdp.models.llama import Llama, LlamaConfig, cross_entropy_loss
 
 _KINDS = {
@@ -58,18 +60,19 @@ def build_llama(
     reshard_after_forward: bool = True,
     impl: Any = fully_shard,
     checkpoint_blocks: bool = False,
+    shard_dim1: bool = False,
 ) -> Llama:
+    """The Llama, each block and then the root sharded by ``impl`` (ours or torch's
+    ``fully_shard``); ``shard_dim1``: matrices ``Shard(1)`` (``shard_placement_fn``)."""
     torch.manual_seed(0)
     model = Llama(config)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mixed:
         kwargs["mp_policy"] = mp
+    if shard_dim1:
+        kwargs["shard_placement_fn"] = lambda param: Shard(1) if param.ndim == 2 else None
     if checkpoint_blocks:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            checkpoint_wrapper,
-        )
-
         for index, block in enumerate(model.layers):
             model.layers[index] = checkpoint_wrapper(block)
     for block in model.layers:
@@ -101,10 +104,6 @@ def build_blocks(
     sharded root with a head: the model for what the Llama cannot show.
     ``patch_forward``: checkpoint each block by replacing its instance ``forward``
     before ``fully_shard``, as train.py's ``--activation-checkpointing`` does."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        checkpoint_wrapper,
-    )
-
     torch.manual_seed(0)
     blocks = [ResidualBlock(dim) for _ in range(n_blocks)]
     if checkpoint:
@@ -128,7 +127,7 @@ def compile_counting(
 ) -> None:
     """Graph mode with the aot_eager backend, ``counter`` seeing every compiled graph."""
     dtensor_fsdp.enable_graph_mode(model)
-    model.compile(backend=graph_backend("aot_eager", bucket_mb, inspect=counter), fullgraph=True)
+    model.compile(backend=graph_backend("aot_eager", bucket_mb, on_graph=counter), fullgraph=True)
 
 
 def llama_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 bitwise like our eager FSDP and torch's ``fully_shard`` (losses and local shards over
 5 AdamW steps; fp32 and bf16 mixed precision, W=2; HSDP 2x2; FSDP 2 x TP 2), with
 bucketing on, with our clip_grad_norm_ and local-shard optimizer step, and with
-gradient accumulation without sync;
+gradient accumulation without sync, and with ``Shard(1)`` parameters;
 with inductor, as close to eager as the plain model compiled the same way is to its
 own eager run.
 
@@ -68,15 +68,19 @@ def _train(
     return {"losses": losses, "params": params}
 
 
-def _three_ways(mesh, rank: int, *, mixed: bool = False, with_torch: bool = True, **train) -> dict:
+def _three_ways(
+    mesh, rank: int, *, mixed: bool = False, with_torch: bool = True, shard_dim1: bool = False,
+    **train,
+) -> dict:  # fmt: skip
     """Our eager, our graph mode (aot_eager, bucketing on), torch's eager."""
-    eager = _train(build_llama(uneven_config(), mesh, mixed=mixed), rank, **train)
+    config, layout = uneven_config(), {"mixed": mixed, "shard_dim1": shard_dim1}
+    eager = _train(build_llama(config, mesh, **layout), rank, **train)
     torch._dynamo.reset()
-    graph_model = build_llama(uneven_config(), mesh, mixed=mixed)
+    graph_model = build_llama(config, mesh, **layout)
     dtensor_fsdp.compile(graph_model, backend="aot_eager")
     records = {"eager": eager, "graph": _train(graph_model, rank, **train)}
     if with_torch:
-        theirs = build_llama(uneven_config(), mesh, mixed=mixed, impl=torch_fully_shard)
+        theirs = build_llama(config, mesh, **layout, impl=torch_fully_shard)
         records["torch"] = _train(theirs, rank, **train)
     return records
 
@@ -95,16 +99,12 @@ def _inductor_against_plain(mesh, rank: int) -> dict:
     torch.manual_seed(0)
     plain_compiled = Llama(uneven_config())
     plain_compiled.compile(backend="inductor", fullgraph=True)
-    plain_eager = _plain_train(plain, steps)
-    plain_graph = _plain_train(plain_compiled, steps)
+    plain_eager = _train(plain, 0, steps=steps)
+    plain_graph = _train(plain_compiled, 0, steps=steps)
     return {
         "ours": _distance(eager, graph),
         "plain": _distance(plain_eager, plain_graph),
     }
-
-
-def _plain_train(model, steps: int) -> dict:
-    return _train(model, 0, steps=steps)
 
 
 def _distance(a: dict, b: dict) -> tuple[float, float]:
@@ -126,6 +126,8 @@ def _scenarios(rank: int, world_size: int) -> dict:
             "no_sync_bf16": lambda: _three_ways(
                 mesh, rank, mixed=True, steps=2, micro_batches=3, no_sync=True
             ),
+            # shard_placement_fn: every matrix Shard(1) (no padding; other chunking).
+            "shard_dim1": lambda: _three_ways(mesh, rank, steps=2, shard_dim1=True),
             "inductor": lambda: _inductor_against_plain(mesh, rank),
         }
     )
@@ -177,7 +179,7 @@ def _assert_bitwise(records: list[dict]) -> None:
 
 def test_graph_mode_trains_bitwise_like_eager() -> None:
     run = run_distributed(_scenarios, 2, timeout=600)
-    for name in ("fp32", "bf16_clip_local_step", "no_sync_bf16"):
+    for name in ("fp32", "bf16_clip_local_step", "no_sync_bf16", "shard_dim1"):
         _assert_bitwise(scenario_records(run, name))
     # Inductor fuses and reorders fp32 arithmetic in graph mode as in the plain model:
     # ours may be as far from eager as the plain model compiled the same way is from

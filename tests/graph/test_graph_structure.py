@@ -10,16 +10,20 @@ same graph-mode model runs uncompiled.
 """
 
 import dataclasses
+import warnings
 from collections import Counter
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import dtensor_fsdp
 from dtensor_fsdp import CPUOffloadPolicy, fully_shard
+from dtensor_fsdp.graph import backend
+from dtensor_fsdp.graph.backend import graph_backend
 from dtensor_fsdp.graph.compile import default_bucket_mb
 from dtensor_fsdp.graph.switch import is_graph_mode
 from dtensor_fsdp.models.llama import Llama
@@ -260,3 +264,16 @@ def test_unsupported_after_enable_warns_and_methods_refused(mesh) -> None:
     dtensor_fsdp.register_fsdp_forward_method(other, "forward")
     with pytest.raises(NotImplementedError, match="register_fsdp_forward_method"):
         dtensor_fsdp.enable_graph_mode(other)
+
+
+def test_a_pass_missing_from_this_torch_is_skipped_and_said_once(monkeypatch) -> None:
+    """An older torch without one of the passes: the backend builds without it and
+    warns once (torch 2.11-2.14 all have them today; this stands in for one that
+    does not)."""
+    monkeypatch.delattr(inductor_config, "reorder_for_compute_comm_overlap")
+    monkeypatch.setattr(backend, "_warned", set())
+    with pytest.warns(UserWarning, match="no reorder_for_compute_comm_overlap"):
+        graph_backend("inductor", 4.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graph_backend("inductor", 4.0)  # said once
