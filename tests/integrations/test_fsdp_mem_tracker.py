@@ -214,5 +214,11 @@ def test_gloo_backward_peak_differs_by_the_all_to_all_receive_buffer(gloo_run):
     # its receive buffer holds W chunks where torch's reduce-scatter output holds one,
     # (W - 1) / W of a block's gradient bytes more while it is in flight. The tracker
     # sees no reduce-scatter op from ours, so no "Reduce Scatter" label either.
-    for (theirs, ours), _, _ in gloo_run:
-        assert ours - theirs == _BLOCK_UNSHARDED_BYTES // 2
+    # Ours' peak is the same on every rank; torch's is not always: one CI run measured
+    # 439,176 B on rank 0 against 412,168 B on rank 1 (and 412,168 on both in others),
+    # so ours is compared with torch's lowest, and each torch peak is bounded by ours.
+    theirs = [peaks[0] for peaks, _, _ in gloo_run]
+    ours = {peaks[1] for peaks, _, _ in gloo_run}
+    assert len(ours) == 1, ours
+    assert ours.pop() - min(theirs) == _BLOCK_UNSHARDED_BYTES // 2, theirs
+    assert all(peak <= min(theirs) + _BLOCK_UNSHARDED_BYTES // 2 for peak in theirs), theirs
