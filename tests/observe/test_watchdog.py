@@ -58,18 +58,23 @@ def test_slow_rank_draws_a_warning_and_the_step_completes(straggler_then_skip) -
         assert "not waiting in FSDP" in message
 
 
-def test_skipped_block_ends_within_the_deadline(straggler_then_skip) -> None:
-    # Rank 1 skips block 1: gloo kills the rank that receives more than it expects
-    # (rank 0: 1608 B of blocks.2's shard for its 1344 B one); rank 1 names it.
-    launch, ranks = straggler_then_skip
+def _survivor_message(launch: Launch, ranks: list[dict], scenario: str, killed: int) -> str:
+    """Of a 2-rank ``scenario`` in which gloo killed rank ``killed``: the survivor's
+    error message, checked to be the clear error within the deadline, naming it."""
     assert launch.returncode is not None, f"hung:\n{launch.output[-4000:]}"
-    assert "skip_block" not in ranks[0], "rank 0 should have been killed by gloo"
-    survivor = ranks[1].get("skip_block")
+    assert scenario not in ranks[killed], f"rank {killed} should have been killed by gloo"
+    survivor = ranks[1 - killed].get(scenario)
     assert survivor is not None, launch.output[-4000:]
     assert survivor["error"] == "CollectiveMismatchError", survivor
     assert survivor["seconds"] < DEADLINE_S + SLACK_S, survivor
-    message = survivor["message"]
-    assert "rank(s) [0] stopped answering" in message, message
+    assert f"rank(s) [{killed}] stopped answering" in survivor["message"], survivor
+    return survivor["message"]
+
+
+def test_skipped_block_ends_within_the_deadline(straggler_then_skip) -> None:
+    # Rank 1 skips block 1: gloo kills the rank that receives more than it expects
+    # (rank 0: 1608 B of blocks.2's shard for its 1344 B one); rank 1 names it.
+    message = _survivor_message(*straggler_then_skip, "skip_block", killed=0)
     # Its forward all-gather fails at once, or (when gloo let it through short) the
     # next one, the backward's of the same block: what gloo does first is a race.
     assert re.search(
@@ -80,15 +85,7 @@ def test_skipped_block_ends_within_the_deadline(straggler_then_skip) -> None:
 
 
 def test_unused_param_survivor_names_the_killed_rank(tmp_path: Path) -> None:
-    launch, ranks = _run(tmp_path, "unused_param")
-    assert launch.returncode is not None, f"hung:\n{launch.output[-4000:]}"
-    assert "unused_param" not in ranks[1], "rank 1 should have been killed by gloo"
-    survivor = ranks[0].get("unused_param")
-    assert survivor is not None, launch.output[-4000:]
-    assert survivor["error"] == "CollectiveMismatchError", survivor
-    assert survivor["seconds"] < DEADLINE_S + SLACK_S, survivor
-    message = survivor["message"]
-    assert "rank(s) [1] stopped answering" in message, message
+    message = _survivor_message(*_run(tmp_path, "unused_param"), "unused_param", killed=1)
     # Rank 0's reduce-scatter fails, or (received short) passes and the next one fails.
     assert re.search(
         r"(rank 0:|after) reduce_scatter #19 of 'blocks.1' in backward \(5,376 B\) at step 1",
