@@ -93,6 +93,9 @@ class CommContext:
         self._post_forward_indices: dict[int, list[int]] = {}
         self.is_in_forward = False  # between the root's pre- and post-forward
         self.is_backward_callback_queued = False
+        # A backward's grads must land before it returns even when no pre-backward
+        # queued the callback above: see [Note: partly run list groups] (state.py).
+        self.is_landing_callback_queued = False
         # The observer FSDPModule.set_divergence_check / set_nonfinite_grad_check
         # attach to every group of the tree (ranks agree before each collective:
         # observe/consistency.py); one for the tree, since its sequence numbers count
@@ -257,5 +260,6 @@ class CommContext:
         self._post_forward_indices.clear()
         self.is_in_forward = False
         self.is_backward_callback_queued = False
+        self.is_landing_callback_queued = False
         self.release_kept_all_gather()
         self.step_guard.clear()

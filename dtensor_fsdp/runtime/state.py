@@ -81,7 +81,7 @@ class FSDPState:
         # already belonged to a subgroup. See [Note: several groups of one call].
         self.groups = groups
         self.device = device  # the mesh's: where the root moves its forward inputs
-        self.mp_policy = mp_policy  # None when every parameter already belonged to a subgroup
+        self.mp_policy = mp_policy
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.is_root: bool | None = None  # decided at lazy init
         self.root: FSDPState | None = None
@@ -250,7 +250,7 @@ class FSDPState:
             self.ctx.release_kept_all_gather()
         if self.mp_policy.output_dtype is not None:
             output = cast_floating(output, self.mp_policy.output_dtype)
-        if not self.groups or self._is_recomputing_in_backward():
+        if self._is_recomputing_in_backward():
             return output
         for group in self.groups:
             group.post_forward(module)
@@ -259,12 +259,33 @@ class FSDPState:
             # group hooks, the group's post-forward waits for its other modules (the
             # root's post-forward completes it if they do not run).
             return output
-        if not is_in_backward():  # a recompute is not a forward of this iteration
+        if self.groups and not is_in_backward():  # a recompute is not a forward
             self.ctx.record_post_forward(self.groups)
+        # Also without groups of its own (a root whose parameters all belong to its
+        # children), as torch's: its pre-backward queues the end-of-backward callback.
         output = self._register_pre_backward(output)
         if self.is_root and not is_in_backward():
+            # Whether or not the root has parameters of its own: [Note: partly run
+            # list groups].
             output = self._complete_incomplete_forwards(output)
         return output
+
+    # [Note: partly run list groups]
+    # A list group ``fully_shard([norm, head])`` whose forward runs only some of its
+    # modules: torchtitan's chunked loss runs the root's forward up to the hidden
+    # states (``norm`` but not ``head``), then ``head`` on its own per chunk, a
+    # backward per chunk, and the hidden states' backward last. As torch's FSDP2:
+    # 1. the root's post-forward completes the group (`_complete_incomplete_forwards`,
+    #    also for a root without parameters of its own): reshard, and a pre-backward
+    #    on the root's output, so the hidden states' backward re-gathers it;
+    # 2. a module run on its own starts the group's forward (all-gather, post-backward
+    #    node on its inputs) but does not complete it: no reshard, no pre-backward on
+    #    its output, so each chunk's all-gather is reused by nothing else;
+    # 3. each chunk's backward reduces the group's grads at that post-backward node,
+    #    and since no pre-backward queued the end-of-backward callback, the
+    #    post-backward queues `land_gradients` alone: the grads land before that
+    #    backward returns, and the iteration's forward order (the hidden states'
+    #    backward prefetch) and step guard stay for the backward still to come.
 
     def _complete_incomplete_forwards(self, output: Any) -> Any:
         """At the end of the root's forward, complete every list group whose forward ran
@@ -283,10 +304,9 @@ class FSDPState:
 
     @_run_eagerly
     def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        assert self.ctx is not None
+        assert self.ctx is not None and self.root is not None
         if not self.ctx.is_backward_callback_queued:
             self.ctx.is_backward_callback_queued = True
-            assert self.root is not None
             Variable._execution_engine.queue_callback(self.root.finalize_backward)
         pending = [g for g in self.groups if g.training_state != TrainingState.PRE_BACKWARD]
         if pending:
@@ -303,9 +323,16 @@ class FSDPState:
 
     @_run_eagerly
     def post_backward(self) -> None:
+        assert self.ctx is not None and self.root is not None
         # Last group first, as torch's chained per-group nodes fire.
         for group in reversed(self.groups):
             group.post_backward()
+        if not (self.ctx.is_backward_callback_queued or self.ctx.is_landing_callback_queued):
+            # No pre-backward of this backward queued the end-of-backward callback: a
+            # list group's module run on its own ([Note: partly run list groups]).
+            # The reduce-scatters just issued must still land before backward returns.
+            self.ctx.is_landing_callback_queued = True
+            Variable._execution_engine.queue_callback(self.root.land_gradients)
 
     @_run_eagerly
     def finalize_backward(self) -> None:
@@ -314,8 +341,19 @@ class FSDPState:
         for state in self.states_in_tree:
             for group in reversed(state.groups):
                 group.finalize_backward()
-        # Every sharded grad has landed when backward returns, as in torch (whose
-        # set_is_last_backward(False) only skips waiting for the device streams).
+        self.land_gradients()
+        self.ctx.reset()
+
+    @_run_eagerly
+    def land_gradients(self) -> None:
+        """Root: finish every reduction in flight, so that every sharded grad has
+        landed when backward returns, as in torch (whose set_is_last_backward(False)
+        only skips waiting for the device streams). The end of each backward:
+        `finalize_backward`'s, or alone after a backward that no FSDP output started
+        (see `post_backward`), which leaves the iteration's state to the backward
+        still to come."""
+        assert self.ctx is not None and self.is_root
+        self.ctx.is_landing_callback_queued = False
         self.ctx.wait_for_reduce_scatters()
         # CPU offload: the host reads the sharded grads next (the optimizer, or the next
         # micro-batch's add), so their device-to-host copies must have landed, as in
@@ -323,7 +361,6 @@ class FSDPState:
         for state in self.states_in_tree:
             for group in state.groups:
                 group.reduction.wait_for_offloaded_grads(self.ctx.streams)
-        self.ctx.reset()
 
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward (root only): the failed
