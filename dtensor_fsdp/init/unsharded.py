@@ -10,7 +10,7 @@ so any init code (``init_weights()``, ``reset_parameters()``, ``model.apply(...)
 consumes the random stream exactly as it would on the unsharded model; on exit each
 rank keeps only its shard.
 
-Memory: the full parameters are lazy (_lazy_init.py, [Note: lazy full parameters]).
+Memory: the full parameters are lazy (lazy_full_tensor.py, [Note: lazy full parameters]).
 One is materialized when init code first uses it, and the least recently used ones are
 written back to their shards once the materialized ones would exceed a budget: by
 default the largest group's full bytes, so init needs one group's worth of full

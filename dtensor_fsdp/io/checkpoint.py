@@ -10,7 +10,7 @@ another mesh layout), the trainer's ``extra`` state and a ``COMPLETE`` marker::
       step_00000030.tmp/      being written, or interrupted: never loaded
 
 The files themselves (marker, checksums, restricted reading) are in
-``_checkpoint_files.py``; this module says which rank does what, and when.
+``checkpoint_files.py``; this module says which rank does what, and when.
 
 [Note: checkpoint completion] A checkpoint is complete iff its directory has the final
 name (no ``.tmp``) and holds a ``COMPLETE`` marker whose recorded file sizes match the

@@ -23,7 +23,7 @@
 - ``save_full_state_dict(model, path)`` writes a full, unsharded checkpoint from rank 0
   one tensor at a time (memory: the largest tensor), in the safetensors format
   (``safetensors.torch.load_file`` and transformers' ``from_pretrained`` read it; see
-  [Note: streamed safetensors] in ``_safetensors_file.py``); ``format="torch"`` writes an
+  [Note: streamed safetensors] in ``safetensors_file.py``); ``format="torch"`` writes an
   ordinary ``torch.save`` file instead. Either way ``load_full_state_dict(path)`` reads
   it back as a plain state dict; a malformed safetensors file raises ``ValueError``
   naming the file and what is wrong.

@@ -47,7 +47,7 @@ result is first needed; what differs between devices is what "issued" and "waite
   gradients, they wait for exactly those gradients, and later compute overlaps them on
   the backend's stream.
 
-Both backends serve the same scheduling code (param_group.py, reduction.py), so every
+Both backends serve the same scheduling code (param_group.py, reduction/), so every
 call site reads as the dependency it expresses, and the CPU test suite runs the same
 decisions the GPU runs. CPU offload's device-to-host gradient copies and timing events
 (`CommTrace` on a GPU) go through here for the same reason; tests substitute an
