@@ -21,13 +21,14 @@ from .api import (
 from .fsdp_module import FSDPModule
 from .io.state_dict import register_state_dict_hooks
 from .observe.watchdog import watchdog_factory
+from .param_checks import mark_replaced
 from .runtime.mesh import (
     post_forward_mesh_info,
 )
 from .runtime.param_group import FSDPParamGroup
 from .runtime.state import STATE_ATTR, FSDPState
 from .runtime.streams import streams_for
-from .validation import mark_replaced, plan_sharding
+from .validation import plan_sharding
 
 
 @overload

@@ -6,22 +6,20 @@ a rejected call leaves the module exactly as it was.
 """
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from .api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from .param_checks import check_device, check_param
 from .runtime.extension import has_all_gather_extension
 from .runtime.mesh import (
     MeshInfo,
     default_mesh,
     mesh_info_for,
-    same_process_groups,
-    spmd_layout,
     spmd_mesh_info,
     validate_post_forward_size,
 )
@@ -73,28 +71,30 @@ def plan_sharding(
         # Checked against the call's mesh whatever meshes the groups are on, as torch.
         validate_post_forward_size(mesh_info, reshard_after_forward)
     device = mesh_info.device
-    params = _collect_params(modules, set(ignored_params or ()), mesh_info, shard_placement_fn)
-    groups = []
-    for group_mesh_info, group_params in _group_by_mesh(params, _post_order(modules)):
-        _validate_reduce_dtypes(group_params, mp_policy)
-        hpz = _is_hpz(reshard_after_forward, group_mesh_info)
-        if hpz:
-            _validate_no_extensions_for_hpz(modules, group_params, reshard_after_forward)
-        groups.append(
-            GroupSharding(
-                group_mesh_info,
-                group_params,
-                post_forward_size=reshard_after_forward if hpz else None,  # type: ignore[arg-type]
-            )
+    # The one pass over the parameters: each is checked as it is found, and what the
+    # group-wide checks need is summarized on the way.
+    params, summary = _collect_params(
+        modules, set(ignored_params or ()), mesh_info, shard_placement_fn, mp_policy
+    )
+    summary.validate(modules, reshard_after_forward)
+    groups = [
+        GroupSharding(
+            group_mesh_info,
+            group_params,
+            post_forward_size=(
+                reshard_after_forward  # type: ignore[arg-type]
+                if _is_hpz(reshard_after_forward, group_mesh_info)
+                else None
+            ),
         )
-    flat = [source for source, _ in params]
-    _validate_devices(flat, device)
+        for group_mesh_info, group_params in _group_by_mesh(params, _post_order(modules))
+    ]
     return ShardingPlan(
         modules=modules,
         mesh_info=mesh_info,
         groups=groups,
         moved_buffers=_moved_buffers(modules, device),
-        param_device=_param_device(flat, device),
+        param_device=torch.device("meta") if summary.on_meta == {True} else device,
         reshard_after_forward=_reshards_after_forward(reshard_after_forward),
         managed_modules=_managed_modules(modules, ignored_params),
     )
@@ -129,13 +129,15 @@ def _group_by_mesh(
     by_key: dict[tuple[object, object], tuple[MeshInfo, list[ParamToShard]]] = {}
     first: dict[tuple[object, object], tuple[int, int]] = {}
     for source, mesh_info in params:
-        key = (
-            mesh_info.shard_group,
-            mesh_info.replicate_group if mesh_info.is_hsdp else None,
-        )
+        key = _group_key(mesh_info)
         by_key.setdefault(key, (mesh_info, []))[1].append(source)
         first[key] = min(first.get(key, torch_position(source)), torch_position(source))
     return [by_key[key] for key in sorted(by_key, key=first.__getitem__)]
+
+
+def _group_key(mesh_info: MeshInfo) -> tuple[object, object]:
+    """What tells one call's groups apart: their (shard, replicate) process groups."""
+    return (mesh_info.shard_group, mesh_info.replicate_group if mesh_info.is_hsdp else None)
 
 
 def _post_order(modules: tuple[nn.Module, ...]) -> dict[int, int]:
@@ -160,34 +162,58 @@ def _post_order(modules: tuple[nn.Module, ...]) -> dict[int, int]:
     return order
 
 
-def _validate_no_extensions_for_hpz(
-    modules: tuple[nn.Module, ...],
-    params: list[ParamToShard],
-    reshard_after_forward: bool | int | None,
-) -> None:
-    extended = [p.fqn for p in params if has_all_gather_extension(p.data)]
-    if extended:
-        # torch's FSDP2 accepts the call and raises NotImplementedError at the first
-        # backward all-gather; ours says so before anything is sharded.
-        raise NotImplementedError(
-            f"fully_shard({type(modules[0]).__name__}, reshard_after_forward="
-            f"{reshard_after_forward}): resharding to a "
-            "smaller mesh after forward is not supported for parameters with all-gather "
-            f"extensions (fsdp_pre_all_gather): {extended}. Use reshard_after_forward=True "
-            "or False for this module"
-        )
+@dataclass
+class _ParamSummary:
+    """What the checks over a whole group need, gathered while `_collect_params` checks
+    each parameter: nothing walks the parameters again."""
 
+    on_meta: set[bool] = field(default_factory=set)
+    # Per group (`_group_key`): reduce dtype -> a trainable param's FQN with it.
+    reduce_dtypes: dict[tuple[object, object], dict[torch.dtype, str]] = field(default_factory=dict)
+    # Per group: the FQNs of params with an all-gather extension, and the group's mesh.
+    extended: dict[tuple[object, object], list[str]] = field(default_factory=dict)
+    mesh_infos: dict[tuple[object, object], MeshInfo] = field(default_factory=dict)
 
-def mark_replaced(source: ParamToShard, group_name: str) -> None:
-    """Leave the tombstone (see `_REPLACED_ATTR`) on an original the group replaced."""
-    setattr(source.original, _REPLACED_ATTR, f"{source.fqn} of {group_name}")
+    def add(
+        self, source: ParamToShard, mesh_info: MeshInfo, mp_policy: MixedPrecisionPolicy
+    ) -> None:
+        key = _group_key(mesh_info)
+        self.mesh_infos.setdefault(key, mesh_info)
+        self.on_meta.add(source.data.device.type == "meta")
+        if source.original.requires_grad:
+            reduce_dtype = mp_dtypes(mp_policy, source.data.dtype)[1]
+            self.reduce_dtypes.setdefault(key, {}).setdefault(reduce_dtype, source.fqn)
+        if has_all_gather_extension(source.data):
+            self.extended.setdefault(key, []).append(source.fqn)
 
-
-# A tombstone on each original parameter a group replaced. A module outside the group
-# that still holds the original (a tie across groups: embedding and head in different
-# groups) would otherwise get a second, separately sharded copy of it, silently training
-# two weights. Only the retired original carries it; FSDP's own state lives on FSDPParam.
-_REPLACED_ATTR = "_dtensor_fsdp_sharded_as"
+    def validate(
+        self, modules: tuple[nn.Module, ...], reshard_after_forward: bool | int | None
+    ) -> None:
+        if len(self.on_meta) > 1:
+            raise ValueError(
+                "fully_shard: some parameters of this group are on the meta device and some "
+                "are not; initialize them all on meta (then to_empty after fully_shard) or none"
+            )
+        for dtypes in self.reduce_dtypes.values():
+            # One reduce-scatter per group needs one gradient dtype.
+            if len(dtypes) > 1:
+                named = ", ".join(f"'{fqn}' ({dtype})" for dtype, fqn in dtypes.items())
+                raise NotImplementedError(
+                    f"fully_shard: trainable parameters of one group have different dtypes: "
+                    f"{named}. Shard them in separate fully_shard calls, cast the module to "
+                    "one dtype, or set MixedPrecisionPolicy(reduce_dtype=...)"
+                )
+        for key, extended in self.extended.items():
+            if _is_hpz(reshard_after_forward, self.mesh_infos[key]):
+                # torch's FSDP2 accepts the call and raises NotImplementedError at the
+                # first backward all-gather; ours says so before anything is sharded.
+                raise NotImplementedError(
+                    f"fully_shard({type(modules[0]).__name__}, reshard_after_forward="
+                    f"{reshard_after_forward}): resharding to a smaller mesh after forward "
+                    "is not supported for parameters with all-gather extensions "
+                    f"(fsdp_pre_all_gather): {extended}. Use reshard_after_forward=True "
+                    "or False for this module"
+                )
 
 
 def _mesh_info(mesh: DeviceMesh | None, dp_mesh_dims: DataParallelMeshDims | None) -> MeshInfo:
@@ -254,11 +280,11 @@ def _validate_policies(
         )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
-        dtype = getattr(mp_policy, field)
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, name)
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(
-                f"MixedPrecisionPolicy.{field} must be a floating-point dtype, got {dtype}"
+                f"MixedPrecisionPolicy.{name} must be a floating-point dtype, got {dtype}"
             )
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
@@ -311,10 +337,13 @@ def _collect_params(
     ignored: set[nn.Parameter],
     mesh_info: MeshInfo,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None,
-) -> list[tuple[ParamToShard, MeshInfo]]:
-    """Each parameter this call manages, once, with every slot it is registered in,
-    and the data-parallel mesh it is sharded on."""
+    mp_policy: MixedPrecisionPolicy,
+) -> tuple[list[tuple[ParamToShard, MeshInfo]], _ParamSummary]:
+    """Each parameter this call manages, once, checked, with every slot it is
+    registered in and the data-parallel mesh it is sharded on; and the summary the
+    group-wide checks need."""
     found: dict[int, tuple[ParamToShard, MeshInfo]] = {}
+    summary = _ParamSummary()
     for root in modules:
         root_name = type(root).__name__
         for prefix, module in _walk(root):
@@ -322,179 +351,14 @@ def _collect_params(
                 if param is None or param in ignored:
                     continue
                 if id(param) not in found:
-                    found[id(param)] = _param_to_shard(
+                    source, param_mesh_info = check_param(
                         root_name, f"{prefix}{name}", param, mesh_info, shard_placement_fn
                     )
+                    check_device(f"parameter '{source.fqn}'", source.data, mesh_info.device)
+                    summary.add(source, param_mesh_info, mp_policy)
+                    found[id(param)] = (source, param_mesh_info)
                 found[id(param)][0].slots.append(ParamSlot(module, name, root, f"{prefix}{name}"))
-    return list(found.values())
-
-
-def _param_to_shard(
-    root_name: str,
-    fqn: str,
-    param: nn.Parameter,
-    mesh_info: MeshInfo,
-    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
-) -> tuple[ParamToShard, MeshInfo]:
-    sharded_as = getattr(param, _REPLACED_ATTR, None)
-    if sharded_as is not None:
-        raise ValueError(
-            f"fully_shard({root_name}): parameter '{fqn}' is shared with a parameter already "
-            f"managed by another FSDP group (an earlier fully_shard call sharded it as "
-            f"'{sharded_as}'). For shared/tied parameters, use fully_shard([module_a, "
-            "module_b]) to place them in the same FSDP group, or call fully_shard on the "
-            "modules' common ancestor only"
-        )
-    data = param.to_local() if isinstance(param, DTensor) else param
-    if data.dim() == 0:
-        raise ValueError(
-            f"fully_shard({root_name}): fully_shard doesn't support scalar parameters. "
-            f"Change {fqn} to a 1D tensor with numel equal to 1. (Parameter '{fqn}' is "
-            "0-dimensional and cannot be sharded; or pass it in ignored_params to leave "
-            "it unsharded)"
-        )
-    if not (param.is_contiguous() and data.is_contiguous()):
-        raise NotImplementedError(
-            f"fully_shard({root_name}): FSDP does not support non-contiguous parameters yet: "
-            f"parameter '{fqn}' has shape {tuple(param.shape)} and stride {param.stride()}. "
-            "Make it contiguous before fully_shard, e.g. "
-            "module.weight = nn.Parameter(module.weight.contiguous())"
-        )
-    try:
-        has_all_gather_extension(data)
-    except AssertionError as error:
-        raise AssertionError(f"fully_shard({root_name}): parameter '{fqn}': {error}") from None
-    where = f"fully_shard({root_name}): parameter '{fqn}'"
-    result = shard_placement_fn(param) if shard_placement_fn is not None else None
-    placement, mesh_info = _placement_and_mesh(where, result, mesh_info)
-    shard_dim = _shard_dim(where, data, mesh_info, placement)
-    try:
-        layout = spmd_layout(mesh_info, param, fqn, shard_dim)
-    except ValueError as error:
-        # The same type: MeshMismatchError is also the RuntimeError torch raises.
-        raise type(error)(f"fully_shard({root_name}): {error}") from None
-    return ParamToShard(fqn, param, [], layout, shard_dim), mesh_info
-
-
-class ShardDimError(ValueError, AssertionError):
-    """``shard_placement_fn`` chose a dim the parameter does not have. A ValueError (a
-    user mistake), and an AssertionError because torch's fully_shard raises that."""
-
-
-def _shard_dim(where: str, data: torch.Tensor, mesh_info: MeshInfo, placement: Shard | None) -> int:
-    """The dim of ``placement`` (0 for None) on ``data``, validated."""
-    if placement is None:
-        return 0
-    dim = placement.dim + data.dim() if placement.dim < 0 else placement.dim
-    if not 0 <= dim < data.dim():
-        raise ShardDimError(
-            f"{where}: Shard dim {placement.dim} is invalid for {data.dim()}D tensor "
-            f"{tuple(data.shape)}: shard_placement_fn must return Shard(dim) with "
-            f"-{data.dim()} <= dim < {data.dim()}, or None"
-        )
-    size, world_size = data.shape[dim], mesh_info.shard_size
-    if dim != 0 and size % world_size != 0:
-        raise NotImplementedError(
-            f"{where}: FSDP does not support uneven sharding on dim {dim}: size {size} on "
-            f"dim {dim}, which the shard world size {world_size} does not divide; "
-            "Shard(dim != 0) needs an even split. Return None from shard_placement_fn for "
-            "it (Shard(0), padded if uneven)"
-        )
-    return dim
-
-
-def _placement_and_mesh(
-    where: str, result: Any, mesh_info: MeshInfo
-) -> tuple[Shard | None, MeshInfo]:
-    """The ``Shard`` (or None) and the data-parallel mesh of a ``shard_placement_fn``
-    result: a ``Shard`` or None on ``mesh_info`` (the call's mesh), or torch's
-    ``ShardPlacementResult`` (duck-typed: ``placement`` and ``mesh_info``, an
-    ``FSDPMeshInfo`` read by its fields) on any data-parallel mesh of the same device
-    type; see [Note: several groups of one call]."""
-    if hasattr(result, "placement") and hasattr(result, "mesh_info"):
-        theirs = result.mesh_info
-        their_mesh = getattr(theirs, "mesh", None)
-        shard_axis = getattr(theirs, "shard_mesh_dim", None)
-        replicate_axis = getattr(theirs, "replicate_mesh_dim", None)
-        same = same_process_groups(mesh_info, their_mesh, shard_axis, replicate_axis)
-        if same is None:
-            raise ValueError(
-                f"{where}: Invalid shard_placement_fn result: {result!r}; its mesh_info "
-                "needs a DeviceMesh `mesh` and an int `shard_mesh_dim` (an FSDPMeshInfo)"
-            )
-        if not same:
-            assert isinstance(their_mesh, DeviceMesh)
-            if their_mesh.device_type != mesh_info.mesh.device_type:
-                raise ValueError(
-                    f"{where}: shard_placement_fn puts it on {their_mesh}, whose device type "
-                    f"is not that of the mesh passed to fully_shard ({mesh_info.mesh}); one "
-                    "fully_shard call runs on one device type: build both meshes for it"
-                )
-            mesh_info = _their_mesh_info(theirs, their_mesh, shard_axis, replicate_axis)
-        result = result.placement
-    if result is None or type(result) is Shard:
-        return result, mesh_info
-    raise ValueError(
-        f"{where}: Invalid shard_placement_fn result: {result!r}. Return a Shard(dim), None "
-        "(Shard(0)) or a ShardPlacementResult"
-    )
-
-
-def _their_mesh_info(
-    theirs: Any, mesh: DeviceMesh, shard_axis: int, replicate_axis: int | None
-) -> MeshInfo:
-    """Our MeshInfo for torch's mesh info: its mesh and axes, or, built from a full SPMD
-    mesh with ``dp_mesh_dims`` (torch's ``_get_mesh_info(mesh, dims)``), that mesh's."""
-    spmd_mesh, dims = getattr(theirs, "spmd_mesh", None), getattr(theirs, "dp_mesh_dims", None)
-    if isinstance(spmd_mesh, DeviceMesh) and dims is not None:
-        return spmd_mesh_info(
-            spmd_mesh,
-            DataParallelMeshDims(
-                shard=getattr(dims, "shard", None), replicate=getattr(dims, "replicate", None)
-            ),
-        )
-    return MeshInfo(mesh=mesh, shard_axis=shard_axis, replicate_axis=replicate_axis)
-
-
-def _validate_reduce_dtypes(params: list[ParamToShard], mp_policy: MixedPrecisionPolicy) -> None:
-    # One reduce-scatter per group needs one gradient dtype.
-    dtypes = {
-        mp_dtypes(mp_policy, p.data.dtype)[1]: p.fqn for p in params if p.original.requires_grad
-    }
-    if len(dtypes) > 1:
-        named = ", ".join(f"'{fqn}' ({dtype})" for dtype, fqn in dtypes.items())
-        raise NotImplementedError(
-            f"fully_shard: trainable parameters of one group have different dtypes: {named}. "
-            "Shard them in separate fully_shard calls, cast the module to one dtype, or set "
-            "MixedPrecisionPolicy(reduce_dtype=...)"
-        )
-
-
-def _validate_devices(params: list[ParamToShard], device: torch.device) -> None:
-    for source in params:
-        _check_device(f"parameter '{source.fqn}'", source.data, device)
-    kinds = {source.data.device.type == "meta" for source in params}
-    if len(kinds) > 1:
-        raise ValueError(
-            "fully_shard: some parameters of this group are on the meta device and some are "
-            "not; initialize them all on meta (then to_empty after fully_shard) or none"
-        )
-
-
-def _check_device(what: str, tensor: torch.Tensor, device: torch.device) -> None:
-    # CPU tensors are moved to an accelerator mesh's device, as torch's fully_shard does;
-    # meta tensors stay on meta. Anything else on another device is a mistake.
-    if tensor.device.type in ("meta", device.type) and (
-        tensor.device.index is None or device.index is None or tensor.device == device
-    ):
-        return
-    if tensor.device.type == "cpu":
-        return
-    raise ValueError(
-        f"fully_shard: {what} is on {tensor.device}, but the mesh's device is {device}. "
-        f"Move the module to {device} before fully_shard (module.to({str(device)!r})), or "
-        f"build the mesh for device type {tensor.device.type!r}"
-    )
+    return list(found.values()), summary
 
 
 def _moved_buffers(
@@ -506,12 +370,6 @@ def _moved_buffers(
             for name, buffer in module._buffers.items():
                 if buffer is None or buffer.device.type == "meta" or buffer.device == device:
                     continue
-                _check_device(f"buffer '{prefix}{name}'", buffer, device)
+                check_device(f"buffer '{prefix}{name}'", buffer, device)
                 moved.append((module, name, buffer.to(device)))
     return moved
-
-
-def _param_device(params: list[ParamToShard], device: torch.device) -> torch.device:
-    if params and params[0].data.device.type == "meta":
-        return torch.device("meta")
-    return device
