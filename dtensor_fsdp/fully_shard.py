@@ -28,7 +28,7 @@ from .runtime.mesh import (
 from .runtime.param_group import FSDPParamGroup
 from .runtime.state import STATE_ATTR, FSDPState
 from .runtime.streams import streams_for
-from .validation import plan_sharding
+from .validation import validate_call
 
 
 @overload
@@ -118,7 +118,7 @@ def fully_shard(
         NotImplementedError: a non-contiguous parameter, an uneven ``Shard(dim != 0)``,
             or another capability not built yet.
     """
-    plan = plan_sharding(
+    call = validate_call(
         module,
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,
@@ -128,7 +128,7 @@ def fully_shard(
         ignored_params=ignored_params,
         dp_mesh_dims=dp_mesh_dims,
     )
-    modules = plan.modules
+    modules = call.modules
 
     # Everything below mutates: nothing in it may raise on user input.
     groups = [
@@ -136,8 +136,8 @@ def fully_shard(
             group.params,
             modules,
             group.mesh_info,
-            plan.param_device,
-            reshard_after_forward=plan.reshard_after_forward,
+            call.param_device,
+            reshard_after_forward=call.reshard_after_forward,
             fqn="",
             mp_policy=mp_policy,
             offload_policy=offload_policy,
@@ -147,29 +147,29 @@ def fully_shard(
                 else None
             ),
         )
-        for group in plan.groups
+        for group in call.groups
     ]
     state = FSDPState(
         modules,
         groups,
         auto_reshard_after_forward=reshard_after_forward is None,
         mp_policy=mp_policy,
-        device=plan.mesh_info.device,
+        device=call.mesh_info.device,
     )
     for group in groups[:-1]:  # backward reduces the last group first; it waits
         group.waits_for_reduce_scatters = False
-    for group, group_plan in zip(groups, plan.groups, strict=True):
+    for group, sharding in zip(groups, call.groups, strict=True):
         group.to_sharded_modules()
-        for source in group_plan.params:
+        for source in sharding.params:
             mark_replaced(source, type(modules[0]).__name__)
-    for owner, name, tensor in plan.moved_buffers:
+    for owner, name, tensor in call.moved_buffers:
         owner._buffers[name] = tensor
     # The marks torch's fully_shard leaves on the modules it manages, on the same
     # modules: Hugging Face's generate() keeps the ranks stepping together (synced_gpus)
     # when the model has _is_fsdp_managed_module, and dynamo reads both: a marked
     # module's parameters are graph inputs it does not guard on, so swapping sharded
     # and unsharded parameters between calls does not recompile.
-    for managed in plan.managed_modules:
+    for managed in call.managed_modules:
         managed._is_fsdp_managed_module = True
         managed._fsdp_use_orig_params = True
     for m in modules:

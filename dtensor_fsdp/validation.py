@@ -1,6 +1,6 @@
-"""plan_sharding: everything fully_shard checks, before it changes anything.
+"""validate_call: everything fully_shard checks, before it changes anything.
 
-It returns a `ShardingPlan` (what to shard, where, how) or raises an error that names
+It returns a `ValidatedCall` (what to shard, where, how) or raises an error that names
 the module or parameter and the fix; fully_shard then applies the plan in one step, so
 a rejected call leaves the module exactly as it was.
 """
@@ -38,7 +38,7 @@ class GroupSharding:
 
 
 @dataclass(frozen=True)
-class ShardingPlan:
+class ValidatedCall:
     """A validated fully_shard call."""
 
     modules: tuple[nn.Module, ...]
@@ -52,7 +52,7 @@ class ShardingPlan:
     managed_modules: list[nn.Module]
 
 
-def plan_sharding(
+def validate_call(
     module: Any,
     *,
     mesh: DeviceMesh | None,
@@ -62,7 +62,7 @@ def plan_sharding(
     offload_policy: OffloadPolicy,
     ignored_params: set[nn.Parameter] | None,
     dp_mesh_dims: DataParallelMeshDims | None,
-) -> ShardingPlan:
+) -> ValidatedCall:
     """Validate a fully_shard call (same arguments) and plan it."""
     modules = _validate_modules(module)
     _validate_policies(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
@@ -89,7 +89,7 @@ def plan_sharding(
         )
         for group_mesh_info, group_params in _group_by_mesh(params, _post_order(modules))
     ]
-    return ShardingPlan(
+    return ValidatedCall(
         modules=modules,
         mesh_info=mesh_info,
         groups=groups,
