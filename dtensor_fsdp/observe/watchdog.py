@@ -68,7 +68,7 @@ class Watchdog:
         self._recorder = weakref.ref(recorder)  # the thread must not keep the root alive
         self._rank = rank
         self._world_size = world_size
-        self._answer_timeout = timedelta(seconds=recorder.answer_timeout_s)
+        self._answer_timeout_s = recorder.answer_timeout_s
         self._round = 0  # the round the thread waits for next
         self._stopped = threading.Event()
         self._thread = threading.Thread(
@@ -131,14 +131,12 @@ class Watchdog:
     def _compare(self, store: dist.Store, round_: int, recorder: FlightRecorder) -> Verdict:
         store.set(f"r{round_}/rank{self._rank}", json.dumps(recorder.snapshot()))
         keys = [f"r{round_}/rank{rank}" for rank in range(self._world_size)]
-        try:
-            store.wait(keys, self._answer_timeout)
-        except RuntimeError:
-            pass  # some rank did not answer: what it published, if anything, stands in
+        # A rank that did not answer: what it published, if anything, stands in.
+        _await_keys(store, keys, self._answer_timeout_s)
         records = _read(store, dict(enumerate(keys)), published=False)
         silent = [rank for rank in range(self._world_size) if rank not in records]
         records |= _read(store, {rank: _published_key(rank) for rank in silent}, published=True)
-        return diagnose(records, self._world_size, self._answer_timeout.total_seconds())
+        return diagnose(records, self._world_size, self._answer_timeout_s)
 
 
 class Publisher:
@@ -181,6 +179,17 @@ class Publisher:
                 self._store.set(self._key, snapshot)
             except (RuntimeError, ValueError):
                 return  # the store is gone: the job is ending
+
+
+def _await_keys(store: dist.Store, keys: list[str], timeout_s: float) -> None:
+    """Return once every key exists, or after ``timeout_s``. It polls: a rank that
+    does not answer is ordinary (a call holding its GIL), and c10d logs two warnings
+    for every ``store.wait`` that times out."""
+    end = time.monotonic() + timeout_s
+    interval = 0.001
+    while not store.check(keys) and time.monotonic() < end:
+        time.sleep(interval)
+        interval = min(2 * interval, 0.05)
 
 
 def _published_key(rank: int) -> str:
