@@ -69,7 +69,10 @@ class Watchdog:
         self._rank = rank
         self._world_size = world_size
         self._answer_timeout_s = recorder.answer_timeout_s
-        self._round = 0  # the round the thread waits for next
+        # The round the thread waits for next: advanced as soon as it is woken, so that
+        # a request made during a comparison asks for a new one (the verdict on a
+        # failure must come from records taken after it).
+        self._round = 0
         self._stopped = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"dtensor_fsdp watchdog (rank {rank})", daemon=True
@@ -118,13 +121,13 @@ class Watchdog:
                 store.wait([key], _FOREVER)
                 if store.get(key) == _STOP:
                     return
+                self._round = round_ + 1
                 recorder = self._recorder()
                 if recorder is None:
                     return
                 verdict = self._compare(store, round_, recorder)
             except (RuntimeError, ValueError):  # the store is gone: the job is ending
                 return
-            self._round = round_ + 1
             recorder.post(round_, verdict)
             del recorder
 

@@ -181,3 +181,26 @@ def test_a_backend_failure_is_logged_before_the_ranks_are_compared(caplog) -> No
     finally:
         logger.removeHandler(handler)
         ranks.close()
+
+
+def test_the_backends_timeout_ends_the_wait_for_a_silent_rank() -> None:
+    """The bound on a rank that never answers is the backend's own: gloo fails the
+    collective at the process group's timeout, which is evidence, and the verdict says
+    what is known."""
+    deadline_s = 0.2
+    ranks = Ranks(dist.HashStore(), [0], 2, deadline_s=deadline_s, answer_s=deadline_s)
+    timed_out = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 600ms for recv"
+    try:
+        work = HostWork(int(3 * deadline_s / SLICE.total_seconds()), error=timed_out)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(CollectiveMismatchError) as error:
+                _record(ranks.recorders[0]).wait(work)  # type: ignore[arg-type]
+        assert any("rank(s) [1] gave no answer" in str(w.message) for w in caught)
+        assert str(error.value).startswith(
+            "FSDP collective failed: the backend failed the wait of rank(s) [0]; rank(s) [1] "
+            "stopped answering"
+        ), str(error.value)
+        assert f"the backend raised: RuntimeError: {timed_out}" in str(error.value)
+    finally:
+        ranks.close()
