@@ -123,7 +123,9 @@ class Verdict:
 def diagnose(records: dict[int, RankRecord], world_size: int, answer_timeout_s: float) -> Verdict:
     """The verdict on the records the ranks gave (``records``, by rank: live answers,
     or what a rank that did not answer had published)."""
-    silent = [rank for rank in range(world_size) if rank not in records or not records[rank].is_live]
+    silent = [
+        rank for rank in range(world_size) if rank not in records or not records[rank].is_live
+    ]
     mismatch = _first_mismatch(records)
     if mismatch is not None:
         message = _diverged_message(records, *mismatch)
@@ -169,9 +171,7 @@ def _wait_for_each_other(records: dict[int, RankRecord]) -> bool:
     keys = {(e.group, e.seq) for e in current.values() if e is not None}
     if len(keys) < 2:
         return False
-    completed = {
-        (e.group, e.seq) for r in records.values() for e in r.entries if e.state == "done"
-    }
+    completed = {(e.group, e.seq) for r in records.values() for e in r.entries if e.state == "done"}
     return not keys & completed
 
 

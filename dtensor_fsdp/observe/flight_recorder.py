@@ -218,7 +218,9 @@ class FlightRecorder(CommObserver):
             if self._finished(record, work, self.slice):
                 return
 
-    def _finished(self, record: CollectiveRecord, work: dist.Work, timeout: timedelta | None) -> bool:
+    def _finished(
+        self, record: CollectiveRecord, work: dist.Work, timeout: timedelta | None
+    ) -> bool:
         """Whether ``work`` completed, waiting up to ``timeout`` for it (None: only
         look); when it failed, what `failed` raises."""
         try:

@@ -57,7 +57,9 @@ def shard(impl: str, model: nn.Module, mesh, deadline_s: float) -> nn.Module:
 
 
 def mlp(out: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, out))
+    return nn.Sequential(
+        nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, out)
+    )
 
 
 def digest(*models: nn.Module) -> str:

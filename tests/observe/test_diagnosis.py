@@ -71,8 +71,7 @@ def test_silence_alone_is_a_warning() -> None:
     verdict = diagnose(records, 2, answer_timeout_s=5.0)
     assert not verdict.is_error and verdict.kind == "silent"
     assert verdict.message.startswith(
-        "FSDP straggler: rank(s) [0] gave no answer within 5 s and are not known to have "
-        "failed"
+        "FSDP straggler: rank(s) [0] gave no answer within 5 s and are not known to have failed"
     ), verdict.message
     assert "rank(s) [1] wait for them. No error: the wait goes on" in verdict.message
     assert "  rank 0: no answer, and no record published" in verdict.message

@@ -143,7 +143,8 @@ def test_a_rank_that_gives_no_answer_draws_a_warning_and_the_wait_goes_on() -> N
         assert work.completed
         messages = [str(w.message) for w in caught if w.category is CollectiveStragglerWarning]
         assert messages and all(
-            m.startswith("FSDP straggler: rank(s) [1] gave no answer within 0.2 s") for m in messages
+            m.startswith("FSDP straggler: rank(s) [1] gave no answer within 0.2 s")
+            for m in messages
         ), messages
     finally:
         ranks.close()
@@ -168,9 +169,11 @@ def test_a_backend_failure_is_logged_before_the_ranks_are_compared(caplog) -> No
     logger.addHandler(handler)
     try:
         start = time.monotonic()
-        with caplog.at_level(logging.ERROR, logger="dtensor_fsdp.observe"):
-            with pytest.raises(CollectiveMismatchError) as error:
-                _record(ranks.recorders[0]).wait(HostWork(1, error=CLOSED))  # type: ignore
+        with (
+            caplog.at_level(logging.ERROR, logger="dtensor_fsdp.observe"),
+            pytest.raises(CollectiveMismatchError) as error,
+        ):
+            _record(ranks.recorders[0]).wait(HostWork(1, error=CLOSED))  # type: ignore
         assert time.monotonic() - start < answer_s / 2
         assert caplog.messages[0].startswith(
             "rank 0: FSDP's all_gather #0 of 'blocks.0' in forward (1,024 B) at step 0 failed "
@@ -192,10 +195,12 @@ def test_the_backends_timeout_ends_the_wait_for_a_silent_rank() -> None:
     timed_out = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 600ms for recv"
     try:
         work = HostWork(int(3 * deadline_s / SLICE.total_seconds()), error=timed_out)
-        with warnings.catch_warnings(record=True) as caught:
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            pytest.raises(CollectiveMismatchError) as error,
+        ):
             warnings.simplefilter("always")
-            with pytest.raises(CollectiveMismatchError) as error:
-                _record(ranks.recorders[0]).wait(work)  # type: ignore[arg-type]
+            _record(ranks.recorders[0]).wait(work)  # type: ignore[arg-type]
         assert any("rank(s) [1] gave no answer" in str(w.message) for w in caught)
         assert str(error.value).startswith(
             "FSDP collective failed: the backend failed the wait of rank(s) [0]; rank(s) [1] "

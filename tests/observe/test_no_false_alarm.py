@@ -75,9 +75,13 @@ def test_a_rank_holding_the_gil_three_deadlines_draws_warnings_only(runs) -> Non
     assert ours[0]["held_s"] >= HOLD_S, ours[0]["held_s"]
     # Rank 1 compared while rank 0 held the GIL: it named rank 0, and waited on.
     silent = [w for w in ours[1]["warnings"] if "gave no answer" in w]
-    assert silent and all(w.startswith("FSDP straggler: rank(s) [0] gave no answer") for w in silent)
+    assert silent and all(
+        w.startswith("FSDP straggler: rank(s) [0] gave no answer") for w in silent
+    )
     for rank in ours:
-        assert all(w.startswith(("FSDP straggler", "FSDP collective slow")) for w in rank["warnings"])
+        assert all(
+            w.startswith(("FSDP straggler", "FSDP collective slow")) for w in rank["warnings"]
+        )
 
 
 def test_waits_that_outlast_a_1_ms_slice_complete(runs) -> None:

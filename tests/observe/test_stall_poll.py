@@ -162,9 +162,7 @@ def test_a_rank_whose_backend_failed_is_named(store) -> None:
         assert _until(lambda: survivor.group.aborted == 1), "no abort"
         with pytest.raises(CollectiveMismatchError) as error:
             survivor.issue_and_wait("blocks.1")
-        assert "the backend failed the wait of rank(s) [1]; rank(s) [1] stopped" in str(
-            error.value
-        )
+        assert "the backend failed the wait of rank(s) [1]; rank(s) [1] stopped" in str(error.value)
         assert "Connection closed by peer" in str(error.value)
     finally:
         survivor.close()

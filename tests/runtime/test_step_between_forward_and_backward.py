@@ -190,7 +190,6 @@ def test_a_step_that_changes_the_awaiting_params_raises(optimizer_name: str) -> 
     if optimizer_name in ("adamw", "sgd-foreach"):  # plain PyTorch sees the per-tensor write
         with pytest.raises(RuntimeError, match=PHRASE):
             _dcgan_steps(*_gan(None, None), optimizer_name, set_to_none=False)
-    with fake_mesh(2) as mesh:
-        with pytest.raises(RuntimeError, match=PHRASE) as error:
-            _dcgan_steps(*_gan(fully_shard, mesh), optimizer_name, set_to_none=False)
+    with fake_mesh(2) as mesh, pytest.raises(RuntimeError, match=PHRASE) as error:
+        _dcgan_steps(*_gan(fully_shard, mesh), optimizer_name, set_to_none=False)
     assert "the sharded parameters ['2.weight', '2.bias'] of '2' changed" in str(error.value)
