@@ -4,7 +4,7 @@ that silence alone is never an error (a rank busy in a call that holds the GIL c
 answer). The torchrun jobs that produce such records are in test_watchdog.py and
 test_no_false_alarm.py."""
 
-from dtensor_fsdp.observe.diagnosis import Entry, RankRecord, diagnose
+from dtensor_fsdp.observe.diagnosis import Entry, RankRecord, Verdict, diagnose
 
 
 def _entry(seq: int, fqn: str, kind: str, nbytes: int, state: str, phase: str = "forward"):
@@ -46,16 +46,22 @@ def test_reduce_scatter_of_another_size_suggests_the_fix() -> None:
     assert "set_reduce_scatter_unused_params(True)" in verdict.message
 
 
+def _failed(records: dict[int, RankRecord], world_size: int, whose: str) -> Verdict:
+    """The verdict, checked to be a backend failure of ``whose`` wait."""
+    verdict = diagnose(records, world_size, answer_timeout_s=1.0)
+    assert verdict.is_error and verdict.kind == "failed"
+    expected = f"FSDP collective failed: the backend failed the wait of {whose}"
+    assert verdict.message.startswith(expected), verdict.message
+    return verdict
+
+
 def test_a_backend_failure_names_the_rank_that_stopped_answering() -> None:
     done = _entry(18, "blocks.2", "reduce_scatter", 6464, "done", "backward")
     failed = _entry(19, "blocks.1", "reduce_scatter", 5376, "failed", "backward")
     records = {0: _rank(0, done, failed, error="RuntimeError: Connection reset by peer")}
-    verdict = diagnose(records, 2, answer_timeout_s=1.0)
-    assert verdict.is_error and verdict.kind == "failed"
-    assert verdict.message.startswith(
-        "FSDP collective failed: the backend failed the wait of rank(s) [0]; rank(s) [1] "
-        "stopped answering: no answer within 1 s"
-    ), verdict.message
+    verdict = _failed(
+        records, 2, "rank(s) [0]; rank(s) [1] stopped answering: no answer within 1 s"
+    )
     assert (
         "rank 0: reduce_scatter #19 of 'blocks.1' in backward (5,376 B) at step 1, failed "
         "after 2.0 s; the backend raised: RuntimeError: Connection reset by peer\n"
@@ -113,12 +119,7 @@ def test_a_published_backend_failure_is_evidence() -> None:
         1: _rank(1, failed, error="RuntimeError: Connection closed by peer", published_age_s=1.0),
         2: _rank(2, _entry(7, "root", "all_gather", 68, "waiting")),
     }
-    verdict = diagnose(records, 3, answer_timeout_s=1.0)
-    assert verdict.is_error and verdict.kind == "failed"
-    assert verdict.message.startswith(
-        "FSDP collective failed: the backend failed the wait of rank(s) [1]; rank(s) [0, 1] "
-        "stopped answering"
-    ), verdict.message
+    _failed(records, 3, "rank(s) [1]; rank(s) [0, 1] stopped answering")
 
 
 def test_a_rank_behind_is_a_straggler_not_an_error() -> None:
