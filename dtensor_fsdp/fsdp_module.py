@@ -327,13 +327,16 @@ class FSDPModule:
     ) -> None:
         """Bound how long a rank waits in an FSDP collective. On by default, with a
         60 s deadline: every rank records its FSDP collectives in a ring buffer (no
-        communication: about 0.1% of a step's host calls), and a host wait that lasts
-        ``deadline`` makes every rank publish its records through the c10d store and
-        compare them. Diverged ranks (a block skipped, a parameter unused on some ranks
-        only) then raise ``CollectiveMismatchError`` on every rank, naming which rank
-        diverged, where (module, phase, step) and what each rank was doing; a rank
-        the backend killed is named as the one that stopped answering; a rank that is
-        merely behind gets a ``CollectiveStragglerWarning`` and the wait goes on. The
+        communication, no store call: under 1% of a step's host calls), and a host
+        wait that lasts ``deadline`` makes every rank publish its records through the
+        c10d store and compare them. Only positive evidence is an error: diverged
+        ranks (a block skipped, a parameter unused on some ranks only) raise
+        ``CollectiveMismatchError`` on every rank, naming which rank diverged, where
+        (module, phase, step) and what each rank was doing; a wait the backend failed
+        (a rank it killed, its own timeout) is logged at once and raises, naming the
+        ranks that stopped answering. A rank that gives no answer (busy in a call that
+        holds the GIL) or is merely behind gets a ``CollectiveStragglerWarning`` and
+        the wait goes on, up to the process group's own timeout. The
         wait is bounded on the host (CPU tensors: gloo); on an accelerator, where the
         wait is a stream wait, a thread polls the works in flight and, past the
         deadline, compares the records the same way and aborts the process group on

@@ -22,7 +22,10 @@ micro-batch, the Trainer leaves an evaluated root unsharded. The switch does thr
   torch.distributed._composable.fsdp import fully_shard`` at import time). torch's
   policies passed to it (``MixedPrecisionPolicy``, ``CPUOffloadPolicy``, ...) become
   ours, field by field. ``fully_shard.state(module)``, torch's private state accessor,
-  raises ``TorchOnlyMethodError``.
+  raises ``TorchOnlyMethodError``. Each replacement is a function of the switch's own
+  (it calls ours), so that ``undo()`` finds every binding of it by identity, also in
+  a module imported while the switch was on (which bound the replacement by name), and
+  puts torch's back there too.
 - **state names**: the few private names of torch's state that torch's
   ``FSDPMemTracker`` reads are given to ours, with our meaning (``torch_state_names``).
 
@@ -131,16 +134,34 @@ def _fully_shard(module: Any, **kwargs: Any) -> Any:
 
 _fully_shard.state = _refused_state  # type: ignore[attr-defined]
 
+
+def _switched(ours: Any) -> Any:
+    """``ours`` behind a function only the switch hands out (see the module docstring)."""
+
+    @functools.wraps(ours)
+    def switched(*args: Any, **kwargs: Any) -> Any:
+        return ours(*args, **kwargs)
+
+    return switched
+
+
 # torch's function -> ours, keyed by the id of torch's (the tuple keeps it alive, so
 # the id stays its own).
 _REPLACEMENTS: dict[int, tuple[Any, Any]] = {
     id(theirs): (theirs, ours)
     for theirs, ours in (
         (getattr(torch_fsdp, "fully_shard", None), _fully_shard),
-        (getattr(torch_fsdp, "register_fsdp_forward_method", None), register_fsdp_forward_method),
-        (getattr(torch_fsdp, "share_comm_ctx", None), share_comm_ctx),
+        (
+            getattr(torch_fsdp, "register_fsdp_forward_method", None),
+            _switched(register_fsdp_forward_method),
+        ),
+        (getattr(torch_fsdp, "share_comm_ctx", None), _switched(share_comm_ctx)),
     )
     if theirs is not None  # share_comm_ctx is recent
+}
+# Ours -> torch's, keyed by the id of ours (each is the switch's own function).
+_RESTORES: dict[int, tuple[Any, Any]] = {
+    id(ours): (ours, theirs) for theirs, ours in _REPLACEMENTS.values()
 }
 
 # The namespaces torch defines them in: left alone, because torch's own code calls them
@@ -157,23 +178,20 @@ class FrameworkSwitch:
     ``with`` block) restores it. A call made while the switch was already on changed
     nothing, and its ``undo()`` does nothing."""
 
-    def __init__(self, replaced: list[tuple[ModuleType, str, Any]], added_base: bool) -> None:
-        self._replaced = replaced
+    def __init__(self, added_base: bool) -> None:
         self._added_base = added_base
 
     def undo(self) -> None:
-        """Put torch's names back (where they still hold ours) and stop adding torch's
-        FSDPModule to modules sharded from now on. Modules sharded while the switch was
-        on stay instances of it."""
+        """Put torch's names back wherever a module holds ours (also one imported while
+        the switch was on) and stop adding torch's FSDPModule to modules sharded from
+        now on. Modules sharded while the switch was on stay instances of it."""
         global _active
-        for module, name, original in reversed(self._replaced):
-            if vars(module).get(name) is _REPLACEMENTS[id(original)][1]:
-                setattr(module, name, original)
         if self._added_base:
+            _swap_bound_names(_RESTORES)
             remove_fsdp_class_base(TorchFSDPModuleBase)
             uninstall_torch_state_names()
             _active = None
-        self._replaced, self._added_base = [], False
+        self._added_base = False
 
     def __enter__(self) -> Self:
         return self
@@ -208,18 +226,19 @@ def use_dtensor_fsdp() -> FrameworkSwitch:
     """
     global _active
     if _active is not None:
-        return FrameworkSwitch([], added_base=False)
+        return FrameworkSwitch(added_base=False)
     add_fsdp_class_base(TorchFSDPModuleBase)
     install_torch_state_names()
-    _active = FrameworkSwitch(_replace_torch_names(), added_base=True)
+    _swap_bound_names(_REPLACEMENTS)
+    _active = FrameworkSwitch(added_base=True)
     return _active
 
 
-def _replace_torch_names() -> list[tuple[ModuleType, str, Any]]:
-    """Replace torch's functions by ours in every imported module that holds them, by
-    identity (so an alias such as ``from torch.distributed.fsdp import fully_shard as
-    fsdp2`` is found too); modules imported later find ours in torch's modules."""
-    replaced = []
+def _swap_bound_names(swaps: dict[int, tuple[Any, Any]]) -> None:
+    """Bind ``new`` wherever an imported module binds ``old`` (``swaps``: id(old) ->
+    (old, new)), by identity, so that an alias such as ``from torch.distributed.fsdp
+    import fully_shard as fsdp2`` is found too; modules imported later find what
+    torch's modules hold."""
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
         if not isinstance(module, ModuleType) or not isinstance(namespace, dict):
@@ -227,8 +246,6 @@ def _replace_torch_names() -> list[tuple[ModuleType, str, Any]]:
         if any(namespace is defining for defining in _DEFINING_NAMESPACES):
             continue
         for name, value in list(namespace.items()):
-            pair = _REPLACEMENTS.get(id(value))
+            pair = swaps.get(id(value))
             if pair is not None and pair[0] is value:
-                replaced.append((module, name, value))
                 setattr(module, name, pair[1])
-    return replaced

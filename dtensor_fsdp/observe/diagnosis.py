@@ -1,19 +1,36 @@
 """What the flight records of every rank say about a stuck or failed FSDP collective.
 
-Pure functions over the records the ranks published (observe/watchdog.py gathers them
+Pure functions over the records the ranks gave (observe/watchdog.py gathers them
 through the c10d store): every rank runs the same diagnosis on the same records, so
 every rank reaches the same verdict and raises (or warns) with the same message.
 
-- **diverged**: two ranks' records differ at the same collective (same process group,
-  same sequence number: another module, phase, kind or size), or every rank waits in a
-  different collective. The ranks outside the majority diverged (on a tie, those that
-  differ from the lowest rank).
-- **stopped**: a rank published nothing within the answer timeout: the backend killed
-  it (gloo aborts a rank on mismatched sizes) or it is frozen. The others say what they
-  were issuing.
-- **straggler**: the records agree and some ranks are merely behind (not waiting in
-  FSDP): a warning, not an error.
-- **stuck**: every rank waits for the same collective: the backend or the network.
+[Note: no verdict from silence]
+A rank is declared diverged or failed only on positive evidence; a rank that says
+nothing is never judged dead for it. A rank answers a comparison from its watchdog
+thread, which needs the GIL: a healthy rank busy in one long C call that holds it (a
+``torch.save`` into a memory buffer, a big ``pickle.dumps``, a regular expression)
+cannot answer for as long, however short the answer timeout. What counts as evidence:
+
+- records that disagree: two ranks issued different collectives at the same place
+  (same process group, same sequence number), whether the records were given live or
+  published earlier (a record, once true, stays true), or every rank answers live
+  while waiting in a collective that no other rank has completed;
+- a backend failure: some rank's wait raised the backend's error (gloo's "Connection
+  closed by peer" when a process died, its own timeout at the process group's timeout,
+  an aborted communicator), reported live or in its published record.
+
+Verdicts:
+
+- **diverged** (error): the records disagree.
+- **failed** (error): a backend failure; the ranks that gave nothing are named as the
+  ones that stopped answering, beside what the others were issuing.
+- **silent** (a warning): some ranks gave no live answer, nothing else is known. The
+  others wait on; the backend's own timeout (the process group's) ends a wait that
+  never ends, and that failure is evidence.
+- **straggler** (a warning): every rank answered, the records agree and some ranks are
+  merely behind (not waiting in FSDP).
+- **stuck** (a warning): every rank waits in a collective and the records agree (the
+  same one, or one that another rank has completed since): the backend or the network.
 """
 
 from dataclasses import dataclass
@@ -57,16 +74,24 @@ class Entry:
 
 @dataclass(frozen=True)
 class RankRecord:
-    """What one rank published: its last collectives, oldest first."""
+    """What one rank gave: its last collectives, oldest first."""
 
     rank: int
     entries: list[Entry]
     error: str | None  # the backend error its wait raised, if any
+    # None: its live answer to the comparison under way. Otherwise the rank did not
+    # answer, and this is the record it published itself (when a wait outlasted its
+    # first slice, or failed), that many seconds before.
+    published_age_s: float | None = None
 
     @staticmethod
-    def from_json(value: dict[str, Any]) -> "RankRecord":
+    def from_json(value: dict[str, Any], published_age_s: float | None = None) -> "RankRecord":
         entries = [Entry.from_row(row) for row in value["entries"]]
-        return RankRecord(value["rank"], entries, value["error"])
+        return RankRecord(value["rank"], entries, value["error"], published_age_s)
+
+    @property
+    def is_live(self) -> bool:
+        return self.published_age_s is None
 
     def current(self) -> Entry | None:
         """The collective this rank's host is blocked on (or whose wait failed)."""
@@ -74,41 +99,46 @@ class RankRecord:
 
     def describe(self) -> str:
         entry = self.current() or (self.entries[-1] if self.entries else None)
-        if entry is None:
-            return "no FSDP collective yet"
-        text = entry.describe()
-        if entry.state not in ("waiting", "failed"):
+        text = entry.describe() if entry is not None else "no FSDP collective yet"
+        if entry is not None and entry.state not in ("waiting", "failed"):
             text += "; not waiting in FSDP (busy, or blocked outside FSDP)"
         if self.error is not None:
             text += f"; the backend raised: {self.error}"
+        if not self.is_live:
+            text = f"no answer; its record published {self.published_age_s:.1f} s before: {text}"
         return text
 
 
 @dataclass(frozen=True)
 class Verdict:
-    kind: str  # "diverged", "stopped", "straggler", "stuck"
+    kind: str  # "diverged", "failed", "silent", "straggler", "stuck"
     message: str
 
     @property
     def is_error(self) -> bool:
-        return self.kind in ("diverged", "stopped")
+        """Only on positive evidence: see [Note: no verdict from silence]."""
+        return self.kind in ("diverged", "failed")
 
 
 def diagnose(records: dict[int, RankRecord], world_size: int, answer_timeout_s: float) -> Verdict:
-    """The verdict on the records of every rank that answered (``records``, by rank)."""
-    missing = [rank for rank in range(world_size) if rank not in records]
+    """The verdict on the records the ranks gave (``records``, by rank: live answers,
+    or what a rank that did not answer had published)."""
+    silent = [
+        rank for rank in range(world_size) if rank not in records or not records[rank].is_live
+    ]
     mismatch = _first_mismatch(records)
     if mismatch is not None:
         message = _diverged_message(records, *mismatch)
-        if missing:
-            message += f"\n{_stopped_line(missing, answer_timeout_s)}"
+        if silent:
+            message += f"\n{_stopped_line(silent, answer_timeout_s)}"
         return Verdict("diverged", message)
-    if missing:
-        return Verdict("stopped", _stopped_message(records, missing, answer_timeout_s))
+    if any(record.error is not None for record in records.values()):
+        return Verdict("failed", _failed_message(records, silent, answer_timeout_s))
+    if silent:
+        return Verdict("silent", _silent_message(records, silent, answer_timeout_s))
     current = {rank: r.current() for rank, r in records.items()}
     if all(entry is not None for entry in current.values()):
-        keys = {(e.group, e.seq) for e in current.values() if e is not None}
-        if len(keys) > 1:
+        if _wait_for_each_other(records):
             return Verdict("diverged", _waits_differ_message(records))
         return Verdict("stuck", _stuck_message(records))
     return Verdict("straggler", _straggler_message(records))
@@ -129,6 +159,20 @@ def _first_mismatch(records: dict[int, RankRecord]) -> tuple[str, int] | None:
         if len(set(by_key[key].values())) > 1:
             return key
     return None
+
+
+def _wait_for_each_other(records: dict[int, RankRecord]) -> bool:
+    """Whether every rank (all answered live, all waiting) waits in a different
+    collective than some other, none of which another rank has completed. The answers
+    are not simultaneous: a rank may already be past the collective another was
+    waiting for when it answered, and then it has completed it (a collective completes
+    on a rank only once every rank joined it), which is no evidence of divergence."""
+    current = {rank: r.current() for rank, r in records.items()}
+    keys = {(e.group, e.seq) for e in current.values() if e is not None}
+    if len(keys) < 2:
+        return False
+    completed = {(e.group, e.seq) for r in records.values() for e in r.entries if e.state == "done"}
+    return not keys & completed
 
 
 def _diverged_message(records: dict[int, RankRecord], group: str, seq: int) -> str:
@@ -164,34 +208,59 @@ def _waits_differ_message(records: dict[int, RankRecord]) -> str:
 
 def _stopped_line(missing: list[int], answer_timeout_s: float) -> str:
     return (
-        f"rank(s) {missing} stopped answering: no flight record within "
-        f"{answer_timeout_s:g} s (the backend killed the process, as gloo does on "
-        "mismatched sizes, or it is frozen; see its own log)"
+        f"rank(s) {missing} stopped answering: no answer within {answer_timeout_s:g} s "
+        "(the backend killed the process, as gloo does on mismatched sizes, it exited, or "
+        "it is frozen; see its own log)"
     )
 
 
-def _stopped_message(
-    records: dict[int, RankRecord], missing: list[int], answer_timeout_s: float
-) -> str:
-    # The collectives before: gloo may let the diverged one through on the rank that
-    # received less than it expected, and fail only the next.
+def _rank_lines(records: dict[int, RankRecord], missing: list[int]) -> list[str]:
+    """Each rank's current collective and the ones before it (gloo may let a diverged
+    collective through on the rank that received less than it expected, and fail only
+    the next), latest first; a rank that gave nothing at all as such."""
     lines = []
-    for rank, record in sorted(records.items()):
+    for rank in sorted({*records, *missing}):
+        record = records.get(rank)
+        if record is None:
+            lines.append(f"  rank {rank}: no answer, and no record published")
+            continue
         lines.append(f"  rank {rank}: {record.describe()}")
         current = record.current() or (record.entries[-1] if record.entries else None)
         before = record.entries[: record.entries.index(current)] if current else []
         lines += [f"    after {entry.describe()}" for entry in reversed(before[-_BEFORE:])]
+    return lines
+
+
+def _failed_message(
+    records: dict[int, RankRecord], missing: list[int], answer_timeout_s: float
+) -> str:
+    failed = sorted(rank for rank, record in records.items() if record.error is not None)
+    stopped = f"; {_stopped_line(missing, answer_timeout_s)}" if missing else ""
     return (
-        f"FSDP collective failed: {_stopped_line(missing, answer_timeout_s)}. "
-        "What the other ranks were issuing, latest first:\n" + "\n".join(lines)
+        f"FSDP collective failed: the backend failed the wait of rank(s) {failed}{stopped}. "
+        "What each rank was issuing, latest first:\n" + "\n".join(_rank_lines(records, missing))
+    )
+
+
+def _silent_message(
+    records: dict[int, RankRecord], missing: list[int], answer_timeout_s: float
+) -> str:
+    waiting = [rank for rank, r in sorted(records.items()) if r.is_live and r.current()]
+    return (
+        f"FSDP straggler: rank(s) {missing} gave no answer within {answer_timeout_s:g} s "
+        "and are not known to have failed (busy in a call that holds the GIL, such as "
+        "torch.save into a memory buffer, a large pickle or a slow regular expression; or "
+        f"frozen); rank(s) {waiting} wait for them. No error: the wait goes on, and the "
+        "backend's own timeout (the process group's) fails it if they never come. What "
+        "is known, latest first:\n" + "\n".join(_rank_lines(records, missing))
     )
 
 
 def _stuck_message(records: dict[int, RankRecord]) -> str:
     lines = "\n".join(f"  rank {rank}: {r.describe()}" for rank, r in sorted(records.items()))
     return (
-        "FSDP collective slow: every rank waits for the same collective, with the same "
-        f"records (the network or the backend is slow or stuck):\n{lines}"
+        "FSDP collective slow: every rank waits in a collective, with records that agree "
+        f"(the network or the backend is slow or stuck):\n{lines}"
     )
 
 

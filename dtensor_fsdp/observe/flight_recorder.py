@@ -15,16 +15,30 @@ gloo's ``ProcessGroup.abort()`` (torch 2.13) does not wake a waiting ``wait()``
 waits in the runtime's place (`CollectiveWatch.wait`): a host collective (CPU tensors:
 gloo) is waited in slices, ``work.wait(timeout)``, which gloo ends with "timed out"
 and lets wait again. A wait that ends in one slice, as every healthy one, costs what
-``work.wait()`` costs. Past the deadline the main thread asks the watchdog thread for
-a comparison of every rank's records; it raises the verdict between two slices. When
-the wait itself fails (gloo closes the connection of a rank it killed) the main thread
-asks for the comparison at once and raises ``CollectiveMismatchError`` from the
-backend's error. On an accelerator (any tensors but CPU ones) FSDP's wait is a stream
-wait that does not block the host: the recorder lets it through and hands the work to
-the stall poller (observe/stall_poll.py), which finds a collective that does not
-complete by the deadline with ``Work.is_completed()`` and ends it.
+``work.wait()`` costs. A wait that outlasts its first slice has this rank publish its
+records to the store (from the watchdog's publisher thread: the main thread never
+calls the store), so that the others can read them without this rank's help. Past
+the deadline the main thread asks the watchdog thread for a comparison of every
+rank's records, and raises an error verdict between two slices: only on positive
+evidence (see [Note: no verdict from silence], diagnosis.py); a rank that gives no
+answer draws a warning and the wait goes on. When the wait itself fails (gloo closes
+the connection of a rank that died, or its own timeout, the process group's, runs
+out) the main thread logs the backend's error at once, then asks for the comparison
+and raises ``CollectiveMismatchError`` from the backend's error. On an accelerator
+(any tensors but CPU ones) FSDP's wait is a stream wait that does not block the host:
+the recorder lets it through and hands the work to the stall poller
+(observe/stall_poll.py), which finds a collective that does not complete by the
+deadline with ``Work.is_completed()`` and ends it.
+
+[Note: a collective that completes after its slice ran out]
+``work.wait(slice)`` raises "timed out" when the slice ends first, and the collective
+may complete between that and the next look (gloo: 7 of 4,442 timed-out 1 ms waits had
+completed by then). A completed work is not a failed one: it is waited once more,
+which returns at once when it succeeded and raises the backend's own error when it
+failed (`_wait_slice`).
 """
 
+import logging
 import threading
 import time
 import warnings
@@ -35,12 +49,14 @@ from typing import Any
 import torch.distributed as dist
 
 from ..runtime.observer import Collective, CollectiveWatch, CommObserver
-from .consistency import CollectiveMismatchError
+from .consistency import CollectiveMismatchError, CollectiveSignature
 from .diagnosis import Verdict
 
 DEFAULT_CAPACITY = 256  # collectives kept per rank (a few steps of a large model)
 PUBLISHED = 32  # of those, the last ones a rank publishes when asked
 MAX_SLICE_S = 0.5  # the longest slice of a host wait (a verdict waits at most this)
+
+logger = logging.getLogger("dtensor_fsdp.observe")
 
 
 class CollectiveStragglerWarning(RuntimeWarning):
@@ -90,15 +106,18 @@ class CollectiveRecord(CollectiveWatch):
                 # unbounded, as the runtime would without the recorder.
                 work.wait()
                 return
-            if work.is_completed():  # it failed, rather than timed out
-                self.recorder.failed(self, error)
-                raise
+        # The slice ran out, or the wait failed: see [Note: a collective that
+        # completes after its slice ran out].
         self.recorder.wait_stalled(self, work)
 
     def is_pending_on_device(self) -> bool:
         """Whether this is a device collective whose stream wait was queued and whose
         work has not completed (thread-safe: ``Work.is_completed`` only reads)."""
         return self.work is not None and not self.work.is_completed()
+
+    def describe(self) -> str:
+        signature = CollectiveSignature(self.seq, self.fqn, self.phase, self.kind, self.nbytes)
+        return f"{signature.describe()} at step {self.step}"
 
     def row(self, now: float, state: str) -> list[Any]:
         """As published (diagnosis.Entry's fields)."""
@@ -133,6 +152,10 @@ class FlightRecorder(CommObserver):
         self.request_comparison: Callable[[], int | None] | None = None
         self.stop_watchdog: Callable[[], None] | None = None  # ends the thread
         self._error: str | None = None  # this rank's backend error, for the others
+        # Set by the watchdog: publishes this rank's records from a thread of its own
+        # (the main thread never calls the store); called when a wait stalls or fails.
+        self.publish: Callable[[], None] | None = None
+        self.stalls = 0  # host waits whose first slice ended without them
         self._failure: Verdict | None = None  # raised once, then again at each collective
         # The watchdog thread posts verdicts here, the main thread takes them.
         self._posted = threading.Condition()
@@ -177,8 +200,14 @@ class FlightRecorder(CommObserver):
     # Stalls and failures (the main thread, off the hot path) #
 
     def wait_stalled(self, record: CollectiveRecord, work: dist.Work) -> None:
-        """Wait on for a collective that outlasted one slice; past each deadline ask
-        for a comparison, and raise the first error verdict posted."""
+        """Wait on for a collective whose first slice ended without it: publish this
+        rank's records, past each deadline ask for a comparison, and raise the first
+        error verdict posted (a warning's is warned, and the wait goes on)."""
+        self.stalls += 1
+        if self._finished(record, work, None):
+            return
+        if self.publish is not None:
+            self.publish()
         next_comparison = record.issued_at + self.deadline_s
         while True:
             self.raise_verdict()
@@ -186,21 +215,36 @@ class FlightRecorder(CommObserver):
             if now >= next_comparison and self.request_comparison is not None:
                 self.request_comparison()
                 next_comparison = now + self.deadline_s
-            try:
-                work.wait(self.slice)
+            if self._finished(record, work, self.slice):
                 return
-            except RuntimeError as error:
-                if work.is_completed():
-                    self.failed(record, error)
-                    raise
+
+    def _finished(
+        self, record: CollectiveRecord, work: dist.Work, timeout: timedelta | None
+    ) -> bool:
+        """Whether ``work`` completed, waiting up to ``timeout`` for it (None: only
+        look); when it failed, what `failed` raises."""
+        try:
+            return _wait_slice(work, timeout)
+        except RuntimeError as error:
+            self.failed(record, error)
+            raise
 
     def failed(self, record: CollectiveRecord, error: RuntimeError) -> None:
-        """The backend failed ``record``'s wait: compare with the other ranks now and
-        raise what they say, from ``error``; return (the caller re-raises ``error``)
-        when nobody can be asked or nothing is found."""
+        """The backend failed ``record``'s wait: log its error at once (a launcher may
+        end this process any moment: torchrun does, seconds after another rank
+        exited), publish it, compare with the other ranks and raise what they say,
+        from ``error``; return (the caller re-raises ``error``) when nobody can be
+        asked or no verdict came."""
         record.state = "failed"
         first_line = str(error).splitlines()[0] if str(error) else ""
-        self._error = f"{type(error).__name__}: {first_line[:200]}"
+        self._error = f"{type(error).__name__}: {first_line[:300]}"
+        logger.error(
+            "rank %d: FSDP's %s failed in the backend: %s\nComparing the flight records "
+            "of every rank (up to %g s); the verdict is raised next",
+            self.rank, record.describe(), self._error, self.answer_timeout_s,
+        )  # fmt: skip
+        if self.publish is not None:
+            self.publish()
         verdict = self.compare_now()
         if verdict is not None and verdict.is_error:
             try:
@@ -248,7 +292,7 @@ class FlightRecorder(CommObserver):
         rows = [
             r.row(now, state) for r, state in zip(records, _published_states(records), strict=True)
         ]
-        return {"rank": self.rank, "entries": rows, "error": self._error}
+        return {"rank": self.rank, "entries": rows, "error": self._error, "at": time.time()}
 
     def post(self, round_: int, verdict: Verdict) -> None:
         """The verdict of comparison ``round_`` (a straggler's is not an error)."""
@@ -258,6 +302,22 @@ class FlightRecorder(CommObserver):
             self.latest = (round_, verdict)
             self._posted_round = max(self._posted_round, round_)
             self._posted.notify_all()
+
+
+def _wait_slice(work: dist.Work, timeout: timedelta | None) -> bool:
+    """Wait for ``work`` up to ``timeout`` (None: only look): True once it completed,
+    False when it had not; raises the backend's error when it failed. See [Note: a
+    collective that completes after its slice ran out]."""
+    if timeout is not None:
+        try:
+            work.wait(timeout)
+            return True
+        except RuntimeError:
+            pass  # timed out, or failed: a completed work says which below
+    if not work.is_completed():
+        return False
+    work.wait()  # completed: returns at once, or raises the backend's error
+    return True
 
 
 def _cannot_time_out(error: RuntimeError) -> bool:

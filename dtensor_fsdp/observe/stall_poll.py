@@ -18,8 +18,9 @@ per deadline, and on every rank where a device collective is in flight:
 
 - logs the verdict (``logging``, logger ``dtensor_fsdp.observe``): it shows even while
   the main thread is blocked in a device synchronization;
-- on an error verdict (ranks diverged, or a rank stopped answering) aborts the process
-  groups of the collectives in flight (``ProcessGroup.abort()``, where the backend
+- on an error verdict (ranks diverged, or a backend failure: never silence alone, see
+  [Note: no verdict from silence] in diagnosis.py) aborts the process groups of the
+  collectives in flight (``ProcessGroup.abort()``, where the backend
   implements it: NCCL's abort ends its kernels, and a synchronization blocked on them
   raises the backend's error) so that the job ends instead of hanging;
 - leaves the verdict posted: the main thread's next FSDP collective or wait raises it

@@ -18,8 +18,15 @@ enabled awaits its backward (`forward_done`) until its pre-backward (`take`), th
 of the backward or an abandoned iteration (`clear`). The hook is registered at the
 first such forward and costs one truth test per optimizer step while no group awaits
 a backward (the usual step, after the backward); only then does it read the
-optimizer's params and mark the awaiting groups whose sharded params it holds, which
-the group raises at its pre-backward.
+optimizer's params and mark the awaiting groups whose sharded params it holds and
+could have changed, which the group raises at its pre-backward.
+
+Only a param with a gradient can have changed: ``torch.optim`` skips a param whose
+``.grad`` is None (every optimizer, per-tensor, foreach and fused alike), and so does
+plain PyTorch's version check, which sees no write. One optimizer over two models'
+param groups (a GAN's generator and discriminator) that steps for one model while the
+other's forward awaits its backward, whose grads are None then, is plain PyTorch's and
+torch's FSDP2's usual loop, and must not trip the guard.
 """
 
 import weakref
@@ -74,12 +81,17 @@ class StepGuard:
             self._seen.clear()
 
     def step_done(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer`` stepped: mark the awaiting groups whose params it holds."""
+        """``optimizer`` stepped: mark the awaiting groups whose params it holds with a
+        gradient (it skipped the others: they did not change)."""
         if not self._awaiting:
             return
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for key, params in self._awaiting.items():
-            names = [p.fqn for p in params if id(p.sharded_param) in held]
+            names = [
+                p.fqn
+                for p in params
+                if id(p.sharded_param) in held and p.sharded_param.grad is not None
+            ]
             if names:
                 self._seen[key] = StepSeen(type(optimizer).__qualname__, names)
 

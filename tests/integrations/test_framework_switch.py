@@ -129,7 +129,8 @@ def test_idempotent_and_reversible_for_bound_names():
         ours = torch_fsdp.fully_shard
         assert ours is not theirs
         assert framework.fully_shard is ours and framework.fsdp2 is ours
-        assert torch_fsdp.register_fsdp_forward_method is dtensor_fsdp.register_fsdp_forward_method
+        switched = torch_fsdp.register_fsdp_forward_method
+        assert switched.__wrapped__ is dtensor_fsdp.register_fsdp_forward_method
         second = use_dtensor_fsdp()  # already on: changes nothing
         assert torch_fsdp.fully_shard is ours
         second.undo()
@@ -138,6 +139,28 @@ def test_idempotent_and_reversible_for_bound_names():
         first.undo()
         assert framework.fully_shard is theirs and framework.fsdp2 is theirs
         assert torch_fsdp.fully_shard is theirs
+    finally:
+        del sys.modules[framework.__name__]
+
+
+def test_undo_reaches_modules_imported_while_on():
+    """A module imported while the switch was on bound ours by name (``from
+    torch.distributed.fsdp import fully_shard``): undo gives it torch's back, and leaves
+    a name bound to dtensor_fsdp's own functions alone."""
+    theirs = torchs_fully_shard()
+    framework = ModuleType("a_framework_imported_late")
+    sys.modules[framework.__name__] = framework
+    try:
+        with use_dtensor_fsdp():
+            framework.fully_shard = torch_fsdp.fully_shard  # its import, while on
+            framework.forward_method = torch_fsdp.register_fsdp_forward_method
+            framework.share = torch_fsdp.share_comm_ctx
+            framework.ours = dtensor_fsdp.register_fsdp_forward_method  # imported from us
+            assert framework.fully_shard is not theirs
+        assert framework.fully_shard is theirs
+        assert framework.forward_method is torch_fully_shard_module.register_fsdp_forward_method
+        assert framework.share is torch_fully_shard_module.share_comm_ctx
+        assert framework.ours is dtensor_fsdp.register_fsdp_forward_method
     finally:
         del sys.modules[framework.__name__]
 

@@ -9,6 +9,7 @@ complete when the test says so, and whose process group records its ``abort()``.
 torch's FSDP2 has no such path (it waits for the backend's timeout): nothing to compare.
 """
 
+import json
 import logging
 import time
 import warnings
@@ -129,13 +130,40 @@ def test_diverged_ranks_abort_their_groups_and_raise(store, caplog) -> None:
             rank.close()
 
 
-def test_a_rank_that_stopped_answering_is_named(store) -> None:
-    survivor = Rank(store, 0, 2)  # rank 1 is dead: it publishes nothing
+def test_a_silent_rank_is_warned_not_aborted(store, caplog) -> None:
+    """Silence alone is no evidence (rank 1 may be busy in a call that holds the GIL):
+    the poller warns, naming it, and aborts nothing."""
+    survivor = Rank(store, 0, 2)  # rank 1 publishes nothing and never answers
+    try:
+        waiting = survivor.issue_and_wait("blocks.0")
+        with caplog.at_level(logging.WARNING, logger="dtensor_fsdp.observe"):
+            assert _until(lambda: any("gave no answer" in m for m in caplog.messages))
+        assert "FSDP straggler: rank(s) [1] gave no answer within 0.4 s" in caplog.text
+        waiting.done = True  # rank 1 came back
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            survivor.issue_and_wait("blocks.1").done = True  # no error
+        assert [w.category for w in caught] == [CollectiveStragglerWarning]
+        assert survivor.group.aborted == 0
+    finally:
+        survivor.close()
+
+
+def test_a_rank_whose_backend_failed_is_named(store) -> None:
+    """A backend failure is evidence: rank 1's wait failed, it published that and is
+    gone; the survivor's poller aborts and its next FSDP call raises."""
+    dead = FlightRecorder(1, timedelta(seconds=DEADLINE_S), timedelta(seconds=ANSWER_TIMEOUT_S))
+    dead.issuing(_collective(FakeGroup(), "blocks.0")).state = "failed"
+    dead._error = "RuntimeError: Connection closed by peer"  # as `failed` records it
+    store.set("published/rank1", json.dumps(dead.snapshot()))
+    survivor = Rank(store, 0, 2)
     try:
         survivor.issue_and_wait("blocks.0")
         assert _until(lambda: survivor.group.aborted == 1), "no abort"
-        with pytest.raises(CollectiveMismatchError, match=r"rank\(s\) \[1\] stopped answering"):
+        with pytest.raises(CollectiveMismatchError) as error:
             survivor.issue_and_wait("blocks.1")
+        assert "the backend failed the wait of rank(s) [1]; rank(s) [1] stopped" in str(error.value)
+        assert "Connection closed by peer" in str(error.value)
     finally:
         survivor.close()
 

@@ -48,11 +48,13 @@ def test_slow_rank_draws_a_warning_and_the_step_completes(straggler_then_skip) -
     results = [r.get("straggler") for r in ranks]
     assert all(r is not None for r in results), launch.output[-4000:]
     assert all(r["error"] is None and len(r["losses"]) == 2 for r in results), results
-    # The waiting rank warns at each deadline; the straggler when it comes back.
+    # The waiting rank warns at each deadline; the straggler when it comes back. (On
+    # a loaded machine a rank slow to start its watchdog thread, at the first forward,
+    # may also draw a warning that it gave no answer: silence is no error.)
     for result in results:
-        assert result["warnings"], result
-        message = result["warnings"][0]
-        assert message.startswith("FSDP straggler: rank(s) [1] are behind"), message
+        behind = [w for w in result["warnings"] if w.startswith("FSDP straggler: rank(s) [1] are")]
+        assert behind, result
+        message = behind[0]
         assert "rank 0: all_gather #11 of 'root' in forward (68 B) at step 1, waiting" in message
         assert "rank 1: reduce_scatter #10 of 'blocks.0' in backward" in message
         assert "not waiting in FSDP" in message

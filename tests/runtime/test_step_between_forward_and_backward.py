@@ -6,7 +6,10 @@ parameters, for every kind of step: per-tensor (it bumps the DTensor's version
 counter), foreach and fused (they bump none: FSDP sees the step through torch's global
 optimizer step hook) and ``step_on_local_shards`` (it bumps the local tensor's).
 A fused step bumps no version counter of a plain tensor either: plain PyTorch is silent
-there, ours raises.
+there, ours raises. A step that leaves the awaiting params unchanged (they have no
+gradient, so ``torch.optim`` skips them: a GAN's one optimizer over both models) raises
+nowhere, as in plain PyTorch and torch's FSDP2 (its numerics against torch's on gloo:
+tests/observe/test_no_false_alarm.py).
 """
 
 import pytest
@@ -138,3 +141,55 @@ def test_step_of_other_params_is_not_an_error() -> None:
         loss = model(torch.randn(4, 8)).sum()
         other_optim.step()
         loss.backward()
+
+
+def _gan(shard, mesh) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    discriminator = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    if shard is not None:
+        for model in (generator, discriminator):
+            shard(model[0], mesh=mesh)
+            shard(model[2], mesh=mesh)
+            shard(model, mesh=mesh)
+    return generator, discriminator
+
+
+def _dcgan_steps(generator: nn.Module, discriminator: nn.Module, name: str, set_to_none: bool):
+    """DCGAN's loop with one optimizer over both models' param groups: the
+    discriminator's step runs while the generator's forward awaits its backward."""
+    optim = OPTIMIZERS[name](
+        [{"params": generator.parameters()}, {"params": discriminator.parameters(), "lr": 0.05}]
+    )
+    real = torch.randn(4, 8)
+    for _ in range(2):
+        fake = generator(torch.randn(4, 8))
+        optim.zero_grad(set_to_none=set_to_none)
+        (discriminator(fake.detach()).mean() - discriminator(real).mean()).backward()
+        optim.step()  # the generator's grads: None (skipped), or zeros (stepped)
+        optim.zero_grad(set_to_none=set_to_none)
+        (-discriminator(fake).mean()).backward()  # the generator's backward
+        optim.step()
+
+
+GAN_OPTIMIZERS = ["adamw", "adamw-foreach", "adamw-fused", "sgd-foreach"]
+
+
+@pytest.mark.parametrize("optimizer_name", GAN_OPTIMIZERS)
+def test_a_step_that_skips_the_awaiting_params_raises_nothing(optimizer_name: str) -> None:
+    _dcgan_steps(*_gan(None, None), optimizer_name, set_to_none=True)  # plain PyTorch
+    with fake_mesh(2) as mesh:
+        for shard in (torch_fully_shard, fully_shard):
+            _dcgan_steps(*_gan(shard, mesh), optimizer_name, set_to_none=True)
+
+
+@pytest.mark.parametrize("optimizer_name", GAN_OPTIMIZERS)
+def test_a_step_that_changes_the_awaiting_params_raises(optimizer_name: str) -> None:
+    """With zeroed (not None) grads the step updates the generator too (weight decay,
+    momentum): a real step between its forward and backward."""
+    if optimizer_name in ("adamw", "sgd-foreach"):  # plain PyTorch sees the per-tensor write
+        with pytest.raises(RuntimeError, match=PHRASE):
+            _dcgan_steps(*_gan(None, None), optimizer_name, set_to_none=False)
+    with fake_mesh(2) as mesh, pytest.raises(RuntimeError, match=PHRASE) as error:
+        _dcgan_steps(*_gan(fully_shard, mesh), optimizer_name, set_to_none=False)
+    assert "the sharded parameters ['2.weight', '2.bias'] of '2' changed" in str(error.value)
