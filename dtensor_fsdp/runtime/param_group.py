@@ -493,10 +493,15 @@ class FSDPParamGroup:
         )
 
     def finalize_backward(self) -> None:
-        """End of backward (root callback): post-backward for groups whose inputs had no
-        grad (so no node fired; a list group's module called on its own, whose
-        forward never completed), then back to IDLE."""
-        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.FORWARD):
+        """End of backward (root callback): post-backward for every group whose node did
+        not fire, as torch's: its inputs had no grad (a frozen first layer), its forward
+        never completed (a list group's module called on its own), or no gradient
+        reached it at all. It reduces what the group holds (nothing, for a group no
+        gradient reached) and reshards per ``reshard_after_backward``: a group kept
+        unsharded since its forward (``reshard_after_forward=False``) must not stay
+        registered unsharded, or an in-place update of ``model.parameters()`` would land
+        in the unsharded copy and be lost at its next reshard. Then back to IDLE."""
+        if self.training_state != TrainingState.POST_BACKWARD:
             self.post_backward()
         # A backward prefetch that no pre-backward consumed (its forward was recomputed
         # after the group's post-backward, say) holds this step's values: the optimizer

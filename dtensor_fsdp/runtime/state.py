@@ -19,17 +19,16 @@ The lifecycle of a parameter, and the method that performs each step:
 8. Optimizer step on the sharded DTensors: plain ``torch.optim``, no FSDP code.
 """
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from ..api import MixedPrecisionPolicy
+from .activations import grad_tensors, map_tensors, replace_grad_tensors
 from .observer import CommObserver
 from .param import FSDPParam
 from .param_group import FSDPParamGroup, TrainingState, is_in_backward
@@ -213,15 +212,15 @@ class FSDPState:
             self.lazy_init()
         assert self.ctx is not None
         if self._is_recomputing_in_backward():
-            return args, kwargs
+            # The recomputation must see what the forward saw: the same input cast.
+            return self._cast_forward_inputs(args, kwargs)
         if self.is_root:
             self.ctx.begin_forward(self.post_optim_event)
             self.post_optim_event = None
             if self.device.type not in ("cpu", "meta"):
                 # As DDP and torch's FSDP2: inputs may arrive on the host.
                 args, kwargs = inputs_to_device((args, kwargs), self.device)
-        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        args, kwargs = self._cast_forward_inputs(args, kwargs)
         if not self.groups:
             return args, kwargs
         # fully_shard([a, b]): as torch's group hooks, the first module's forward starts
@@ -377,6 +376,11 @@ class FSDPState:
 
     # Hook plumbing #
 
+    def _cast_forward_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            return cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        return args, kwargs
+
     def _is_recomputing_in_backward(self) -> bool:
         # Activation checkpointing re-runs forward inside this group's backward; the
         # pre-backward hook already unsharded the group, and nothing may be registered
@@ -387,22 +391,16 @@ class FSDPState:
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not torch.is_grad_enabled():
             return args, kwargs
-        flat, spec = tree_flatten((args, kwargs))
-        indices = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not indices:
+        inputs = grad_tensors((args, kwargs))
+        if not inputs:
             return args, kwargs
-        outputs = _PostBackward.apply(self, *(flat[i] for i in indices))
-        for i, tensor in zip(indices, outputs, strict=True):
-            flat[i] = tensor
-        return tree_unflatten(flat, spec)
+        return replace_grad_tensors((args, kwargs), list(_PostBackward.apply(self, *inputs)))
 
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
             return output
-        flat, _ = tree_flatten(output)
-        for tensor in flat:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(self.pre_backward)
+        for tensor in grad_tensors(output):
+            tensor.register_hook(self.pre_backward)
         return output
 
 
@@ -422,30 +420,16 @@ class _PostBackward(torch.autograd.Function):
 
 
 def inputs_to_device(inputs: Any, device: torch.device) -> Any:
-    """Move every tensor in nested forward inputs to ``device``: tensors, lists, tuples
-    (named ones too), dicts and dataclasses, like torch's ``_to_kwargs`` for DDP/FSDP2."""
-    if isinstance(inputs, torch.Tensor):
-        return inputs if inputs.device == device else inputs.to(device)
-    if isinstance(inputs, tuple) and hasattr(inputs, "_fields"):  # a namedtuple
-        return type(inputs)(*(inputs_to_device(x, device) for x in inputs))
-    if isinstance(inputs, (list, tuple)):
-        return type(inputs)(inputs_to_device(x, device) for x in inputs)
-    if isinstance(inputs, dict):
-        return type(inputs)((k, inputs_to_device(v, device)) for k, v in inputs.items())
-    if dataclasses.is_dataclass(inputs) and not isinstance(inputs, type):
-        fields = [f.name for f in dataclasses.fields(inputs) if f.init]
-        return dataclasses.replace(
-            inputs, **{name: inputs_to_device(getattr(inputs, name), device) for name in fields}
-        )
-    return inputs
+    """Move every tensor in nested forward inputs to ``device`` (tensors in lists,
+    tuples, named tuples, dicts and dataclasses), like torch's ``_to_kwargs`` for
+    DDP/FSDP2."""
+    return map_tensors(lambda t: t if t.device == device else t.to(device), inputs)
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating-point tensor in a pytree to ``dtype`` (a differentiable cast)."""
-    return tree_map(
-        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
-        tree,
-    )
+    """Cast every floating-point tensor in nested inputs or outputs to ``dtype`` (a
+    differentiable cast)."""
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def states_under(modules: tuple[nn.Module, ...]) -> list[FSDPState]:
