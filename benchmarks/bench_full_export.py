@@ -23,26 +23,22 @@ the file that ``safetensors.safe_open`` maps, at its full size, as an allocation
 """
 
 import argparse
-import gc
 import json
 import os
 import shutil
 import tempfile
-import time
-import tracemalloc
 from collections.abc import Callable
 
 import safetensors.torch
 import torch
 import torch.distributed as dist
+from _bench_memory import MIB, measure
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from dtensor_fsdp import fully_shard, save_full_state_dict
-
-MIB = 1 << 20
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,38 +69,6 @@ def _torch_export(model: nn.Module, path: str) -> None:
     dist.barrier()
 
 
-def _vm_hwm() -> int | None:
-    try:
-        with open("/proc/self/status") as status:
-            line = next(x for x in status if x.startswith("VmHWM:"))
-        return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-
-
-def _reset_vm_hwm() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")  # resets the peak resident set to the current one
-    except OSError:
-        pass
-
-
-def _measure(fn: Callable[[], None]) -> dict[str, float]:
-    gc.collect()
-    _reset_vm_hwm()
-    rss_before = _vm_hwm()
-    tracemalloc.start()
-    start = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - start
-    python_peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    rss_after = _vm_hwm()
-    rss = (rss_after - rss_before) / MIB if rss_before and rss_after else float("nan")
-    return {"rss": rss, "python": python_peak / MIB, "s": seconds}
-
-
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
@@ -118,7 +82,7 @@ def main() -> None:
     ):
         model = _model(args.n_layers, args.dim, shard)
         path = os.path.join(out[0], f"{mode}.safetensors")
-        rows[mode] = _measure(lambda model=model, path=path: export(model, path))
+        rows[mode] = measure(lambda model=model, path=path: export(model, path))
         del model
     if dist.get_rank() == 0:
         print(
