@@ -1,5 +1,5 @@
 """A process's peak resident set around one call, as ``bench_full_export.py`` and
-``bench_weight_sync.py`` measure host memory.
+``bench_weight_sync.py`` measure host memory, and the model both measure it on.
 
 ``rss``: the peak resident set above where the call started (``VmHWM`` after resetting
 it through ``/proc/self/clear_refs``; Linux only); ``python``: Python objects alone
@@ -15,7 +15,24 @@ import time
 import tracemalloc
 from collections.abc import Callable
 
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
 MIB = 1 << 20
+
+
+def linear_stack(n_layers: int, dim: int, shard: Callable[..., nn.Module]) -> nn.Module:
+    """``n_layers`` bias-free ``Linear(dim, dim)`` (fp32), ``shard`` (ours or torch's
+    ``fully_shard``) on each and on the root, over every rank: the full model is
+    ``n_layers`` times its largest tensor."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(dim, dim, bias=False) for _ in range(n_layers)))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        shard(layer, mesh=mesh)
+    return shard(model, mesh=mesh)
 
 
 def vm_hwm() -> int | None:

@@ -27,15 +27,12 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 
 import safetensors.torch
-import torch
 import torch.distributed as dist
-from _bench_memory import MIB, measure
+from _bench_memory import MIB, linear_stack, measure
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from dtensor_fsdp import fully_shard, save_full_state_dict
@@ -49,15 +46,6 @@ def parse_args() -> argparse.Namespace:
         "--out", default=None, help="directory to keep the files in (default: a temp dir, removed)"
     )
     return parser.parse_args()
-
-
-def _model(n_layers: int, dim: int, shard: Callable[..., nn.Module]) -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(dim, dim, bias=False) for _ in range(n_layers)))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        shard(layer, mesh=mesh)
-    return shard(model, mesh=mesh)
 
 
 def _torch_export(model: nn.Module, path: str) -> None:
@@ -80,7 +68,7 @@ def main() -> None:
         ("ours", fully_shard, save_full_state_dict),
         ("torch", torch_fully_shard, _torch_export),
     ):
-        model = _model(args.n_layers, args.dim, shard)
+        model = linear_stack(args.n_layers, args.dim, shard)
         path = os.path.join(out[0], f"{mode}.safetensors")
         rows[mode] = measure(lambda model=model, path=path: export(model, path))
         del model

@@ -53,7 +53,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 from _bench_dist import reduce_over_ranks
-from _bench_memory import MIB, measure, mmap_threshold_set
+from _bench_memory import MIB, linear_stack, measure, mmap_threshold_set
 from _weight_sync_layouts import layouts
 
 from dtensor_fsdp import fully_shard
@@ -116,15 +116,6 @@ def bitwise() -> bool:
 # Memory #
 
 
-def _linear_stack(n_layers: int, dim: int, shard: Callable[..., nn.Module]) -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(dim, dim, bias=False) for _ in range(n_layers)))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        shard(layer, mesh=mesh)
-    return shard(model, mesh=mesh)
-
-
 def _drain(buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
     for bucket in buckets:
         del bucket  # a consumer that copies what it needs and keeps nothing
@@ -135,7 +126,7 @@ def memory(args: argparse.Namespace) -> float:
         say("  (MALLOC_MMAP_THRESHOLD_ is not set: the resident set does not follow the tensors)")
     bucket = args.bucket_mb * MIB
     largest = args.memory_dim**2 * 4
-    ours = _linear_stack(args.memory_layers, args.memory_dim, fully_shard)
+    ours = linear_stack(args.memory_layers, args.memory_dim, fully_shard)
     # The engine: the same model unsharded, allocated before the measurement; loading
     # each bucket into it takes long enough for the next bucket to arrive meanwhile.
     engine = nn.Sequential(*(nn.Linear(args.memory_dim, args.memory_dim, bias=False)
@@ -146,7 +137,7 @@ def memory(args: argparse.Namespace) -> float:
             load_weights(engine, bucket)
 
     row = measure(load)
-    theirs = _linear_stack(args.memory_layers, args.memory_dim, torch_fully_shard)
+    theirs = linear_stack(args.memory_layers, args.memory_dim, torch_fully_shard)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     torch_row = measure(lambda: get_model_state_dict(theirs, options=options))
     ours_mib, torch_mib = reduce_over_ranks([row["rss"], torch_row["rss"]], dist.ReduceOp.MAX)

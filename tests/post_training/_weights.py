@@ -1,7 +1,7 @@
 """Shared by the post-training tests: the reference a weight stream is compared with
 (a full state dict with the name map applied, written here independently of
-``dtensor_fsdp.post_training``'s own planning), collecting a stream, and the live
-bytes of the tensors a stream allocates."""
+``dtensor_fsdp.post_training``'s own planning), collecting a stream, the live bytes of
+the tensors a stream allocates, and a few training steps of a Hugging Face model."""
 
 import weakref
 from collections.abc import Iterable
@@ -12,6 +12,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dtensor_fsdp.post_training import Target
+
+
+def train_hf(model: torch.nn.Module, tokens: torch.Tensor, steps: int) -> torch.nn.Module:
+    """``steps`` AdamW steps of a Hugging Face causal LM on ``tokens`` (its own shifted
+    loss), on the parameters that require grad (a LoRA model's adapters)."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ from dtensor_fsdp import fully_shard
 from dtensor_fsdp.post_training import load_weights, receive_buckets, send_buckets, stream_weights
 from tests._harness import run_distributed
 from tests.integrations.test_hf_models import _build, _shard, _tokens
+from tests.post_training._weights import train_hf
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
@@ -44,14 +45,7 @@ BUCKET_MB = 0.02
 
 
 def _trained(base: nn.Module, mesh: DeviceMesh, shard: Any) -> nn.Module:
-    model = _shard(copy.deepcopy(base), mesh, shard)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens = _tokens()
-    for _ in range(STEPS):
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model
+    return train_hf(_shard(copy.deepcopy(base), mesh, shard), _tokens(), STEPS)
 
 
 def _outputs(model: nn.Module) -> dict[str, Any]:

@@ -23,7 +23,7 @@ STEPS = 12
 
 def _loop_source() -> str:
     text = DOC.read_text()
-    match = re.search(r"<!-- rl_loop.py -->\n```python\n(.*?)\n```", text, re.S)
+    match = re.search(r"<!-- rl_loop.py -->\n```python\n(.*?)\n```", text, re.DOTALL)
     assert match is not None, "docs/post_training.md lost its rl_loop.py block"
     return match.group(1)
 
@@ -36,6 +36,8 @@ def test_loop_runs_and_learns(tmp_path: Path) -> None:
     script = tmp_path / "rl_loop.py"
     script.write_text(_loop_source())
     launch = torchrun(script, log=tmp_path / "log.txt", nproc=2, deadline_s=300.0)
-    rewards = [float(r) for r in re.findall(r"^step \d+ reward ([\d.]+)$", launch.output, re.M)]
+    rewards = [
+        float(r) for r in re.findall(r"^step \d+ reward ([\d.]+)$", launch.output, re.MULTILINE)
+    ]
     assert len(rewards) == STEPS, launch.output[-3000:]
     assert sum(rewards[-4:]) > sum(rewards[:4]), rewards

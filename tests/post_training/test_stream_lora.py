@@ -25,7 +25,7 @@ from dtensor_fsdp import fully_shard
 from dtensor_fsdp.post_training import stream_weights
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests.integrations.test_hf_models import _build, _shard, _tokens
-from tests.post_training._weights import collect, differing, full_state_dict, mapped
+from tests.post_training._weights import collect, differing, full_state_dict, mapped, train_hf
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("peft") is None,
@@ -39,14 +39,7 @@ BUCKET_MB = 0.02
 
 def _trained(base: nn.Module, shard: Any) -> nn.Module:
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-    model = _shard(copy.deepcopy(base), mesh, shard)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    tokens = _tokens()
-    for _ in range(STEPS):
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model
+    return train_hf(_shard(copy.deepcopy(base), mesh, shard), _tokens(), STEPS)
 
 
 def _peft_merged(base: nn.Module, sharded: nn.Module) -> dict[str, torch.Tensor]:
