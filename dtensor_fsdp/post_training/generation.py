@@ -53,15 +53,15 @@ def keep_unsharded(model: nn.Module) -> Iterator[nn.Module]:
 
     Raises:
         ValueError: ``model`` is not a ``fully_shard`` module, or is not its tree's root.
-        RuntimeError: a group is between its forward and its backward.
+        RuntimeError: a group is inside a forward or backward (a hook called it).
     """
     root = _root_state(model)
     groups = [group for state in root.states_in_tree for group in state.groups]
     busy = [g.fqn or "root" for g in groups if g.training_state != TrainingState.IDLE]
     if busy:
         raise RuntimeError(
-            f"keep_unsharded: groups {busy} are between a forward and its backward; "
-            "enter it between iterations (after backward and the optimizer step)"
+            f"keep_unsharded: groups {busy} are inside a forward or backward; enter it "
+            "between iterations (after backward and the optimizer step)"
         )
     saved = [
         _Saved(
