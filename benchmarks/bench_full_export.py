@@ -23,26 +23,19 @@ the file that ``safetensors.safe_open`` maps, at its full size, as an allocation
 """
 
 import argparse
-import gc
 import json
 import os
 import shutil
 import tempfile
-import time
-import tracemalloc
-from collections.abc import Callable
 
 import safetensors.torch
-import torch
 import torch.distributed as dist
+from _bench_memory import MIB, linear_stack, measure
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from dtensor_fsdp import fully_shard, save_full_state_dict
-
-MIB = 1 << 20
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,15 +48,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _model(n_layers: int, dim: int, shard: Callable[..., nn.Module]) -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(dim, dim, bias=False) for _ in range(n_layers)))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        shard(layer, mesh=mesh)
-    return shard(model, mesh=mesh)
-
-
 def _torch_export(model: nn.Module, path: str) -> None:
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -71,38 +55,6 @@ def _torch_export(model: nn.Module, path: str) -> None:
     if dist.get_rank() == 0:
         safetensors.torch.save_file(full, path, metadata={"format": "pt"})
     dist.barrier()
-
-
-def _vm_hwm() -> int | None:
-    try:
-        with open("/proc/self/status") as status:
-            line = next(x for x in status if x.startswith("VmHWM:"))
-        return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-
-
-def _reset_vm_hwm() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")  # resets the peak resident set to the current one
-    except OSError:
-        pass
-
-
-def _measure(fn: Callable[[], None]) -> dict[str, float]:
-    gc.collect()
-    _reset_vm_hwm()
-    rss_before = _vm_hwm()
-    tracemalloc.start()
-    start = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - start
-    python_peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    rss_after = _vm_hwm()
-    rss = (rss_after - rss_before) / MIB if rss_before and rss_after else float("nan")
-    return {"rss": rss, "python": python_peak / MIB, "s": seconds}
 
 
 def main() -> None:
@@ -116,9 +68,9 @@ def main() -> None:
         ("ours", fully_shard, save_full_state_dict),
         ("torch", torch_fully_shard, _torch_export),
     ):
-        model = _model(args.n_layers, args.dim, shard)
+        model = linear_stack(args.n_layers, args.dim, shard)
         path = os.path.join(out[0], f"{mode}.safetensors")
-        rows[mode] = _measure(lambda model=model, path=path: export(model, path))
+        rows[mode] = measure(lambda model=model, path=path: export(model, path))
         del model
     if dist.get_rank() == 0:
         print(

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _gpu_check_frameworks as frameworks
 import _gpu_check_jobs as jobs
+import _gpu_check_post_training as post_training
 import _gpu_check_probes as probes
 import _gpu_check_rows as rows
 import torch
@@ -108,6 +109,11 @@ ROWS = [
     Row("accelerate", 1, "W=1 {backend}", "accelerate's FSDP2 plugin, prepare(model, "
         "optimizer), grad accum: ours (use_dtensor_fsdp) = torch bitwise",
         frameworks.accelerate_fsdp2, 120, cuda_only=True),
+    Row("phase_offload", 1, "W=1 {backend}", "offload_states/reload_states: device memory "
+        "<= 5% after, each way <= 1.5x a pinned copy, round trip bitwise",
+        post_training.phase_offload, 120, cuda_only=True),
+    Row("weight_sync", 2, "W=2 gloo", "stream_weights = get_model_state_dict(full), fp32 "
+        "and bf16, device tensors", post_training.weight_sync, 120),
     Row("train_flags", 0, "torchrun W=1 {backend}", "train.py bf16, grad-accum 2, "
         "offload, AC, meta-init, compile: trains, = reference", jobs.train_flags, 300),
     Row("bench_train", 0, "torchrun W=1 {backend}", "bench_train.py --impls "

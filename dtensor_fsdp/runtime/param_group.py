@@ -49,6 +49,7 @@ from .param_reset import (
     adopt_replacement,
     check_materialized,
     check_replacement,
+    move_sharded_param,
     rederive_sharded_buffer,
 )
 from .reduction.gradient_reduction import GradientReduction
@@ -237,6 +238,27 @@ class FSDPParamGroup:
             self.fsdp_params, self.all_gather_layout.comm_precision, sharded_buffer
         )
         return True
+
+    def move_sharded_buffer(self, buffer: torch.Tensor) -> None:
+        """Make ``buffer`` the group's sharded buffer: a copy of this one's bytes that
+        the caller made, on any device (pinned host memory while a phase offload frees
+        the device, and a device copy again after it: post_training/offload.py). The
+        sharded params stay the same Parameter objects, now over their segments of
+        ``buffer`` (`move_sharded_param`); their grads must have been taken off first.
+        Between iterations only: the group is sharded, nothing in flight."""
+        assert (
+            self.sharded_state == ShardedState.SHARDED
+            and self.training_state == TrainingState.IDLE
+            and self._in_flight is None
+            and self._post_forward is None
+        ), f"{self.fqn}: the sharded buffer moves between iterations only"
+        assert buffer.dtype == torch.uint8 and buffer.numel() == self.sharded_buffer.numel()
+        sizes = [p.sharded_buffer_nbytes for p in self.fsdp_params]
+        for fsdp_param, segment in zip(self.fsdp_params, buffer.split(sizes), strict=True):
+            move_sharded_param(fsdp_param, segment)
+        self.all_gather_layout = AllGatherLayout.build(
+            self.fsdp_params, self.all_gather_layout.comm_precision, buffer
+        )
 
     def check_replacements(self, owners: dict[int, FSDPParam]) -> None:
         """`check_replacement` (param_reset.py) for every replaced param of the group;

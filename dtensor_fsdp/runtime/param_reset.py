@@ -1,7 +1,8 @@
 """Re-deriving a sharded parameter after user code replaced it: checking and
 adopting a Parameter registered in its place, and moving a replaced local tensor into
 the group's new sharded buffer (see [Note: re-deriving the sharded state] in
-param_group.py); at lazy init, refusing parameters never materialized.
+param_group.py); moving a sharded parameter onto a copy of its shard on another device
+(a phase offload); at lazy init, refusing parameters never materialized.
 
 Off the per-step path (it runs only after user code changed a parameter): `FSDPParam`
 (param.py) owns the parameter's runtime life.
@@ -67,6 +68,29 @@ def reset_sharded_param(fsdp_param: FSDPParam, segment: torch.Tensor) -> None:
     fsdp_param.sharded_param._local_tensor = view
     fsdp_param._sharded_local = view
     fsdp_param._init_unsharded_param()
+
+
+def move_sharded_param(fsdp_param: FSDPParam, segment: torch.Tensor) -> None:
+    """Make ``segment`` this parameter's storage: 1-D uint8 of `sharded_buffer_nbytes`
+    that already holds a copy of its padded shard, on any device (pinned host memory
+    for a phase offload, the device again after it: post_training/offload.py).
+
+    The sharded param stays the same Parameter object (optimizers and hooks keep it),
+    now a DTensor over ``segment`` on ``segment``'s device. A DTensor's device is fixed
+    when it is made, so its local tensor cannot just be replaced as in
+    `reset_sharded_param`: the param is swapped with a new one (``swap_tensors``, as
+    ``nn.Module._apply`` moves a DTensor parameter), keeping its Python attributes. Its
+    grad must have been taken off first: a grad lives on its parameter's device.
+    """
+    param = fsdp_param.sharded_param
+    assert param.grad is None, f"{fsdp_param.fqn}: take the grad off before moving the param"
+    padded = fsdp_param.padded_shard_view(segment)  # (*padded_local_shape)
+    local = padded[: fsdp_param.geometry.local_shape[0]]  # (*local_shape)
+    moved = nn.Parameter(fsdp_param._sharded_dtensor(local), requires_grad=param.requires_grad)
+    moved.__dict__.update(param.__dict__)  # swap_tensors swaps the attribute dicts too
+    torch.utils.swap_tensors(param, moved)
+    fsdp_param._padded_shard = padded
+    fsdp_param._sharded_local = local
 
 
 def check_replacement(fsdp_param: FSDPParam, owners: dict[int, FSDPParam]) -> None:
