@@ -27,7 +27,7 @@ from .fully_shard import fully_shard, register_fsdp_forward_method, share_comm_c
 from .graph.compile import compile
 from .graph.switch import disable_graph_mode, enable_graph_mode
 from .init.unsharded import init_unsharded
-from .io.state_dict import load_full_state_dict, save_full_state_dict
+from .io.full_export import load_full_state_dict, save_full_state_dict
 from .observe.consistency import CollectiveMismatchError, NonFiniteGradError
 from .observe.flight_recorder import CollectiveStragglerWarning
 from .observe.trace import CommEvent, CommTrace, DeviceTiming, LifecycleEvent

@@ -1,7 +1,7 @@
 """``dtensor_fsdp.checkpoint``: the public checkpoint API (verified, resumable
-checkpoints of a sharded model and its optimizers); implemented in ``io/checkpoint.py``."""
+checkpoints of a sharded model and its optimizers); implemented in ``io/verified_checkpoint.py``."""
 
-from .io.checkpoint import (
+from .io.verified_checkpoint import (
     EXTRA_FILE,
     MARKER,
     CheckpointError,

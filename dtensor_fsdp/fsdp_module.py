@@ -18,7 +18,8 @@ from .api import (
     ReduceScatter,
 )
 from .graph.switch import is_graph_mode
-from .io.state_dict import residual_states, validate_state_dict
+from .io.load_checks import validate_state_dict
+from .io.state_dict import residual_states
 from .observe.consistency import CollectiveCheck
 from .observe.flight_recorder import FlightRecorder
 from .observe.trace import CommTrace, TraceObserver

@@ -1,11 +1,43 @@
-"""The files of one checkpoint directory, for ``dtensor_fsdp.io.checkpoint``: the
+"""The files of one checkpoint directory, for ``dtensor_fsdp.io.verified_checkpoint``: the
 ``COMPLETE`` marker, checksums, ``extra.pt``, and DCP's reader and planner restricted
 so that loading runs no code and follows no link.
 
-Every function here acts on this process alone; which rank calls what, and how the
-ranks agree, is ``checkpoint.py``'s business. The notes cited here ([Note: checkpoint
-completion], [Note: checkpoint checksums], [Note: loading runs no code], [Note: no
-symlinks]) are in ``checkpoint.py``'s module docstring.
+Every function here acts on this process alone; which rank calls what is
+``verified_checkpoint.py``'s business (its docstring holds [Note: checkpoint
+completion]), and how the ranks agree ``rank_agreement.py``'s.
+
+[Note: checkpoint checksums] The marker (format version 2) also records each file's
+CRC32, which catches what sizes cannot: a file overwritten in place, a flipped bit.
+CRC32 (``zlib.crc32``, about 1 GB/s on one core) detects every error burst up to 32
+bits; it guards against corruption, not against an attacker, who can rewrite the
+marker too (see [Note: loading runs no code]). On save every rank checksums a stripe of
+the files (``names[rank::world_size]``) and rank 0 records them all; on load, and in
+``latest_checkpoint`` under a process group, every rank verifies its stripe and the
+ranks agree, so each file is read once per verification, not once per rank. Without a
+process group ``latest_checkpoint`` verifies whole checkpoints. Markers without a
+version (written before checksums existed) are loaded on sizes alone, with a warning.
+
+[Note: no symlinks] Nothing inside the checkpoint directory is followed through a
+symbolic link: a link may point anywhere, and a save would delete or overwrite what it
+points to, a load read it. ``save_checkpoint`` refuses a ``step_N.tmp`` or ``step_N``
+that is a link, before anything is written and again at the rename, and creates its
+files with ``O_EXCL | O_NOFOLLOW``. ``load_checkpoint`` refuses a ``step_N`` that is a
+link, requires every file the marker names to be a regular file (``lstat``), opens every
+file with ``O_NOFOLLOW`` (DCP's reads too) and reads only files the marker names.
+``latest_checkpoint`` skips linked step directories with a warning, and pruning never
+deletes through a link. The parent directory itself may be a link (a mount chosen by
+the user).
+
+[Note: loading runs no code] A checkpoint's files are data, never code: whoever can
+write to the checkpoint directory must not be able to run code in every rank that loads
+it. Plain DCP unpickles ``.metadata`` with ``pickle`` and its non-tensor records with
+``torch.load(weights_only=False)``, so a crafted file runs anything. Here ``.metadata``
+goes through ``_MetadataUnpickler`` (only the classes DCP's ``Metadata`` is made of),
+non-tensor records and ``extra.pt`` through ``torch.load(weights_only=True)``, and DCP
+already reads tensor records with ``weights_only=True``. A refused file raises
+``CheckpointError`` naming it; ``save_checkpoint`` refuses ``extra`` or ``rank_extra``
+that would not load this way, before writing anything. The ``COMPLETE`` marker is no
+defence here: it is plain JSON that anyone able to replace a file can rewrite too.
 """
 
 import contextlib

@@ -1,4 +1,5 @@
-"""State dicts of fully-sharded modules, and a streamed full export.
+"""State dicts of fully-sharded modules: the hooks on every module that holds FSDP
+parameters.
 
 - ``model.state_dict()`` returns the sharded DTensors under the original FQNs, with no
   communication and no FSDP-specific key mangling; a pre-hook reshards the group first
@@ -20,24 +21,17 @@
   ``assign=True`` the registered sharded params stay the same objects; into a model
   built on ``meta`` they take the loaded shards, and the group's sharded buffer is
   re-derived from them (``_take_assigned``).
-- ``save_full_state_dict(model, path)`` writes a full, unsharded checkpoint from rank 0
-  one tensor at a time (memory: the largest tensor), in the safetensors format
-  (``safetensors.torch.load_file`` and transformers' ``from_pretrained`` read it; see
-  [Note: streamed safetensors] in ``safetensors_file.py``); ``format="torch"`` writes an
-  ordinary ``torch.save`` file instead. Either way ``load_full_state_dict(path)`` reads
-  it back as a plain state dict; a malformed safetensors file raises ``ValueError``
-  naming the file and what is wrong.
+
+Before a load, `validate_state_dict` (load_checks.py) refuses what the copy would fail
+on; the streamed full export is full_export.py.
 """
 
-import contextlib
-import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
@@ -46,23 +40,13 @@ from ..runtime.param import FSDPParam
 from ..runtime.param_group import FSDPParamGroup
 from ..runtime.reduction.error_feedback import (
     RESIDUALS_ATTR,
-    is_residual_key,
     load_residual_state,
     residual_key,
     residual_layout,
     residual_state,
 )
-from ..runtime.state import FSDPState, state_of
+from ..runtime.state import FSDPState
 from ..runtime.tensor_utils import wrap_local
-from .safetensors_file import (
-    check_written,
-    encode_header,
-    plan_header,
-    read_state_dict,
-    write_tensor,
-)
-
-_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's files are zip archives
 
 
 @dataclass(frozen=True)
@@ -315,292 +299,3 @@ def _take_assigned(held: _HeldParam, module: nn.Module) -> bool:
             fsdp_param.registered_local().copy_(local)
     fsdp_param._register(param)
     return True
-
-
-def validate_state_dict(
-    module: nn.Module,
-    module_name: str,
-    state_dict: Mapping[str, Any],
-    strict: bool,
-    assign: bool = False,
-) -> None:
-    """Raise, naming every bad key, if ``state_dict`` cannot load into ``module`` whole,
-    so that ``load_state_dict`` changes nothing or everything; see [Note: atomic load].
-
-    Checked for every tensor entry of ``module.state_dict()`` that ``state_dict`` has:
-    the value is tensor-like; not on the meta device (nothing to copy); a DTensor only
-    where the module holds one, or where the load pre-hook shards it (FSDP params take
-    plain full tensors too); a DTensor value's mesh includes this rank; the same shape;
-    a dtype the copy can cast to the module's (as ``copy_``: float into int, complex
-    into float and the like are allowed, as ``nn.Module`` allows them); with ``assign``
-    a parameter that requires grad gets a floating-point or complex value. Values are
-    not read: NaN and Inf load. Any device is fine (the copy moves the data), as in
-    ``nn.Module``.
-
-    Raises:
-        RuntimeError: ``nn.Module``'s type for the same errors, with its phrases:
-            missing or unexpected keys (``strict``), or any bad value above.
-    """
-    expected = module.state_dict()
-    problems = []
-    if strict:
-        # Error-feedback residuals are optional: missing, they restart at zero; where
-        # an FSDP module keeps none, they are ignored (see [Note: error-feedback
-        # residuals in state dicts]).
-        fsdp_prefixes = _fsdp_prefixes(module)
-        missing = sorted(k for k in set(expected) - set(state_dict) if not is_residual_key(k))
-        unexpected = sorted(
-            k
-            for k in set(state_dict) - set(expected)
-            if not (is_residual_key(k) and k.split(RESIDUALS_ATTR)[0] in fsdp_prefixes)
-        )
-        if missing:
-            problems.append(f"missing keys: {missing}")
-        if unexpected:
-            problems.append(f"unexpected keys: {unexpected}")
-    # The load pre-hook shards full values of FSDP params and residuals.
-    sharded_keys = _sharded_keys(module) | {k for k in expected if is_residual_key(k)}
-    requires_grad = {
-        name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad
-    }
-    for key in sorted(set(expected) & set(state_dict)):
-        want = expected[key]
-        if not isinstance(want, torch.Tensor):
-            continue  # extra state (get_extra_state): any object, the module's to check
-        problem = _value_problem(
-            want, state_dict[key], key in sharded_keys, assign and key in requires_grad
-        )
-        if problem is not None and is_residual_key(key) and problem.startswith("shape"):
-            problem += (
-                " (an error-feedback residual: one row per data-parallel rank; saved at "
-                "another data-parallel world size, drop it to restart it at zero)"
-            )
-        if problem is not None:
-            problems.append(f"'{key}': {problem}")
-    if problems:
-        raise RuntimeError(
-            f"Error(s) in loading state_dict for {module_name} (nothing was loaded):\n  "
-            + "\n  ".join(problems)
-        )
-
-
-# [Note: atomic load] nn.Module.load_state_dict copies module by module and collects
-# errors as it goes, so a bad value raises after the values before it were copied (torch's
-# FSDP2 too). FSDPModule.load_state_dict runs validate_state_dict first, which refuses
-# everything the copy (or our pre-hook's sharding of a full tensor) would fail on, so
-# the copy itself cannot fail on a value. What is left is a failure of the machine
-# (out of memory, a collective of a redistribution that fails).
-
-
-def _fsdp_prefixes(module: nn.Module) -> set[str]:
-    """The state-dict key prefixes (``""``, ``"layers.0."``) of the modules under
-    ``module`` (itself included) that ``fully_shard`` was called on."""
-    return {
-        f"{name}." if name else ""
-        for name, submodule in module.named_modules(remove_duplicate=False)
-        if state_of(submodule) is not None
-    }
-
-
-def _sharded_keys(module: nn.Module) -> set[str]:
-    """The state-dict keys (relative to ``module``) that ``_shard_loaded_values``
-    converts to the sharded param's placements: FSDP-managed parameters."""
-    keys = set()
-    # nn.Module's load visits a shared submodule once per path, so every path counts.
-    for prefix, submodule in module.named_modules(remove_duplicate=False):
-        state = state_of(submodule)
-        if state is None:
-            continue
-        for fsdp_param in state.fsdp_params():
-            for slot in fsdp_param.slots:
-                if slot.root is submodule:
-                    keys.add(f"{prefix}.{slot.key}" if prefix else slot.key)
-    return keys
-
-
-def _value_problem(
-    want: torch.Tensor, got: Any, is_sharded_by_hook: bool, must_require_grad: bool
-) -> str | None:
-    """Why ``got`` cannot be copied into the module's ``want``, or ``None``."""
-    if not torch.overrides.is_tensor_like(got):
-        return (
-            f"expected torch.Tensor or Tensor-like object from checkpoint but received {type(got)}"
-        )
-    local = got.to_local() if isinstance(got, DTensor) else got
-    if local.is_meta:
-        return (
-            "Cannot copy out of meta tensor; no data! The value is on the meta device: "
-            "load a state dict that holds the values (e.g. one read from a checkpoint)"
-        )
-    if isinstance(got, DTensor) and got.device_mesh.get_coordinate() is None:
-        return (
-            f"a DTensor on a mesh without rank {dist.get_rank()}, which holds none of it: "
-            "pass a DTensor on a mesh of every rank, or the full tensor"
-        )
-    if isinstance(got, DTensor) and not isinstance(want, DTensor):
-        return (
-            "a DTensor for a plain tensor of the module (aten.copy_ got mixed torch.Tensor "
-            "and DTensor): pass value.full_tensor()"
-        )
-    if isinstance(want, DTensor) and not isinstance(got, DTensor) and not is_sharded_by_hook:
-        return (
-            "a plain tensor for a DTensor that fully_shard does not manage (aten.copy_ got "
-            "mixed torch.Tensor and DTensor): pass a DTensor with the module's placements"
-        )
-    if got.shape != want.shape:
-        return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-    cast_error = _cast_error(got.dtype, want.dtype)
-    if cast_error is not None:
-        return f"cannot copy {got.dtype} into {want.dtype}: {cast_error}"
-    if must_require_grad and not (got.dtype.is_floating_point or got.dtype.is_complex):
-        return (
-            f"with assign=True the {got.dtype} value becomes the parameter, which requires "
-            "grad: Only Tensors of floating point and complex dtype can require gradients; "
-            "load with assign=False to cast it"
-        )
-    return None
-
-
-def _cast_error(src: torch.dtype, dst: torch.dtype) -> str | None:
-    """The error ``copy_`` raises copying ``src`` into ``dst``, or ``None``: one element
-    on the CPU, so the answer is copy_'s own (quantized, sub-byte and bit dtypes fail)."""
-    if src == dst:
-        return None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # complex -> real warns that it drops .imag
-            torch.empty(1, dtype=dst).copy_(torch.empty(1, dtype=src))
-    except Exception as exc:  # noqa: BLE001 - whatever copy_ raises is the answer
-        return str(exc).split("\n")[0]
-    return None
-
-
-def save_full_state_dict(module: nn.Module, path: str, *, format: str = "safetensors") -> None:
-    """Write ``module``'s full (unsharded) state dict to ``path``, from rank 0.
-
-    Every rank must call it: each tensor is all-gathered, one at a time. Error-feedback
-    residuals (``CommPrecisionPolicy.error_feedback``) are left out: training state, not
-    weights. The file appears atomically (written to ``path.tmp``, then renamed): a crash
-    mid-write leaves no file at ``path``. If rank 0 cannot write (a full disk, a missing
-    directory), it keeps joining the gathers, removes ``path.tmp``, and every rank raises
-    the same ``RuntimeError`` once the last tensor is gathered: no rank waits for a rank
-    that failed.
-
-    Args:
-        module: the (fully-sharded) module.
-        path: the file to write.
-        format: ``"safetensors"`` streams each tensor to the file as it is gathered, so
-            rank 0 holds one full tensor at a time; the finished file is checked with
-            ``safetensors.safe_open`` before it is renamed. ``"torch"`` is an ordinary
-            ``torch.save`` of a plain state dict, which must be complete in host memory
-            on rank 0 before it is written.
-
-    Raises:
-        ValueError: a bad ``format``; with ``"safetensors"``, a state-dict value that is
-            not a tensor or of a dtype safetensors cannot hold (named, on every rank,
-            before anything is gathered or written).
-        RuntimeError: writing failed on rank 0 (on every rank, naming rank 0's error;
-            chained to it on rank 0).
-    """
-    if format not in ("safetensors", "torch"):
-        raise ValueError(
-            f"save_full_state_dict: format must be 'safetensors' or 'torch', got {format!r}"
-        )
-    # The weights only: error-feedback residuals are training state, for checkpoints.
-    state_dict = {k: v for k, v in module.state_dict().items() if not is_residual_key(k)}
-    header = plan_header(state_dict) if format == "safetensors" else None
-    writer = _Writer(f"{path}.tmp", is_writer=not dist.is_initialized() or dist.get_rank() == 0)
-    if format == "torch":
-        full = {key: _gathered(value, writer.ok) for key, value in state_dict.items()}
-        writer.run(torch.save, full, writer.temporary)
-    else:
-        writer.open(encode_header(header))
-        for value in state_dict.values():
-            full = _gathered(value, writer.ok)
-            writer.run(write_tensor, writer.file, full)
-            del full  # before the next gather: one full tensor at a time
-        writer.close()
-        writer.run(check_written, writer.temporary, header)
-    writer.run(os.replace, writer.temporary, path)
-    writer.agree(path)
-
-
-class _Writer:
-    """Rank 0's file work in ``save_full_state_dict``: after its first failure it does
-    nothing more (the rank still joins every gather), and ``agree`` tells every rank."""
-
-    def __init__(self, temporary: str, is_writer: bool) -> None:
-        self.temporary = temporary
-        self.is_writer = is_writer
-        self.file: Any = None
-        self.error: Exception | None = None
-
-    @property
-    def ok(self) -> bool:
-        """Whether this rank writes and nothing failed: it keeps the gathered tensors."""
-        return self.is_writer and self.error is None
-
-    def run(self, fn: Callable[..., Any], *args: Any) -> None:
-        if not self.ok:
-            return
-        try:
-            fn(*args)
-        except Exception as error:  # noqa: BLE001 - every rank must hear of it (agree)
-            self.error = error
-
-    def open(self, header: bytes) -> None:
-        def start() -> None:
-            self.file = open(self.temporary, "wb")  # noqa: SIM115 - closed by close()
-            self.file.write(header)
-
-        self.run(start)
-
-    def close(self) -> None:
-        if self.file is not None:
-            file, self.file = self.file, None
-            self.run(file.close)
-            file.close()  # idempotent; after a failed write it was never closed
-
-    def agree(self, path: str) -> None:
-        """Every rank learns rank 0's outcome (one small collective, which also keeps
-        them together as a barrier); on a failure the temporary file is removed and
-        every rank raises."""
-        self.close()
-        if self.error is not None:
-            with contextlib.suppress(OSError):
-                os.remove(self.temporary)
-        outcome = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
-        if dist.is_initialized():
-            outcomes: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(outcomes, outcome)
-            outcome = outcomes[0]
-        if outcome is not None:
-            raise RuntimeError(
-                f"save_full_state_dict: writing {path} failed on rank 0: {outcome}; "
-                "nothing was written at that path"
-            ) from self.error
-
-
-def _gathered(value: torch.Tensor, keep: bool) -> torch.Tensor | None:
-    """``value`` in full on the host where ``keep`` (the writer); every rank gathers,
-    since a DTensor's ``full_tensor`` is a collective, and the others drop it at once."""
-    full = value.full_tensor() if isinstance(value, DTensor) else value
-    return full.detach().cpu() if keep else None
-
-
-def load_full_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """Read a file written by `save_full_state_dict` (either format) as a plain state
-    dict, for an unsharded model.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist (``OSError`` for other reasons it
-            cannot be opened).
-        ValueError: ``path`` is not a valid safetensors file; the message names it and
-            keeps safetensors' reason. (A file that starts as a zip archive is read with
-            ``torch.load(weights_only=True)``, and raises what that raises.)
-    """
-    with open(path, "rb") as file:
-        is_torch_save = file.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
-    if is_torch_save:
-        return torch.load(path, weights_only=True)
-    return read_state_dict(path)

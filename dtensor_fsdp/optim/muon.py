@@ -127,7 +127,7 @@ class Muon(Optimizer):
 
     A drop-in for ``torch.optim.Muon``: the same arguments, defaults, update and state
     (``state[p]["momentum_buffer"]``, shaped and placed like ``p``), so state dicts,
-    ``torch.distributed.checkpoint`` and ``dtensor_fsdp.io.checkpoint`` work as with
+    ``torch.distributed.checkpoint`` and ``dtensor_fsdp.checkpoint`` work as with
     torch's, and a run can switch between them. What differs is where Newton-Schulz
     runs: each matrix sharded over a mesh axis is orthogonalized whole, on one owner
     rank of that axis (largest first onto the least-loaded rank), with one all-to-all

@@ -236,7 +236,7 @@ def _scenario_export_fails_on_rank0(tmp: str) -> dict:
     """Rank 0 cannot write (a missing directory; a write failing mid-file): every rank
     raises the same error once the gathers are done, instead of waiting forever in the
     next gather for a rank that raised."""
-    import dtensor_fsdp.io.state_dict as state_dict_module
+    import dtensor_fsdp.io.full_export as state_dict_module
 
     run = _shard("fsdp")
     cases = {

@@ -16,7 +16,7 @@ A rank's residual is the error of its whole contribution to the gradient sum, so
 data-parallel layout of the same world size can take it (DCP reshards the rows), and
 the sum over the rows is what the next steps still owe the gradient. At another data
 parallel world size the shape differs: the residuals cannot be split meaningfully, and
-restart at zero (``dtensor_fsdp.io.checkpoint`` drops them with a warning; plain DCP raises
+restart at zero (``dtensor_fsdp.checkpoint`` drops them with a warning; plain DCP raises
 its size mismatch). Loading a parameter without its residual resets the residual to
 zero (it belonged to the old values); a residual for a parameter that keeps none (error
 feedback off, or filtered out) is ignored with a warning. The key's path is an attribute

@@ -9,7 +9,8 @@ another mesh layout), the trainer's ``extra`` state and a ``COMPLETE`` marker::
         .metadata  __0_0.distcp  __1_0.distcp  extra.pt  COMPLETE
       step_00000030.tmp/      being written, or interrupted: never loaded
 
-The files themselves (marker, checksums, restricted reading) are in
+The files themselves (marker, checksums, restricted reading: [Note: checkpoint
+checksums], [Note: no symlinks], [Note: loading runs no code]) are in
 ``checkpoint_files.py``; this module says which rank does what, and when.
 
 [Note: checkpoint completion] A checkpoint is complete iff its directory has the final
@@ -22,48 +23,12 @@ directory without a valid marker (copied by hand, truncated later) is skipped to
 ``latest_checkpoint``, ``load_checkpoint`` and pruning apply this one test
 (``read_marker``).
 
-[Note: checkpoint checksums] The marker (format version 2) also records each file's
-CRC32, which catches what sizes cannot: a file overwritten in place, a flipped bit.
-CRC32 (``zlib.crc32``, about 1 GB/s on one core) detects every error burst up to 32
-bits; it guards against corruption, not against an attacker, who can rewrite the
-marker too (see [Note: loading runs no code]). On save every rank checksums a stripe of
-the files (``names[rank::world_size]``) and rank 0 records them all; on load, and in
-``latest_checkpoint`` under a process group, every rank verifies its stripe and the
-ranks agree, so each file is read once per verification, not once per rank. Without a
-process group ``latest_checkpoint`` verifies whole checkpoints. Markers without a
-version (written before checksums existed) are loaded on sizes alone, with a warning.
-
-[Note: agreeing on failure] Every step of a save or load that ranks carry out on their
-own (rank 0 preparing the staging directory, writing ``extra.pt``, the marker, the
-rename; every rank reading the marker, verifying its stripe, reading ``extra.pt``,
-copying into the model) ends in ``_agree``: one ``all_gather_object`` of each rank's
-outcome. If any rank failed, every rank raises the same ``CheckpointError``, naming the
-step, the failing ranks and the first failure (type and message), chained to the
-original exception on the rank that raised it. DCP's own collectives (``dcp.save``,
-``dcp.load``) already gather every rank's failure; theirs become the same kind of
-``CheckpointError`` (``_dcp``). So no rank is left waiting in a collective for a rank
-that raised: the failure reaches every rank as soon as the failing step ends (3 to
-50 ms from the call on 2 gloo ranks; tests/io/test_checkpoint_agreement.py). A rank
-that *dies* (killed, out of memory) is not caught here: the others wait in their next
-collective until the process group's timeout, or until the launcher stops them.
-
-[Note: no symlinks] Nothing inside the checkpoint directory is followed through a
-symbolic link: a link may point anywhere, and a save would delete or overwrite what it
-points to, a load read it. ``save_checkpoint`` refuses a ``step_N.tmp`` or ``step_N``
-that is a link, before anything is written and again at the rename, and creates its
-files with ``O_EXCL | O_NOFOLLOW``. ``load_checkpoint`` refuses a ``step_N`` that is a
-link, requires every file the marker names to be a regular file (``lstat``), opens every
-file with ``O_NOFOLLOW`` (DCP's reads too) and reads only files the marker names.
-``latest_checkpoint`` skips linked step directories with a warning, and pruning never
-deletes through a link. The parent directory itself may be a link (a mount chosen by
-the user).
-
 [Note: atomic checkpoint load] ``load_checkpoint`` changes the model and optimizer only
 after everything was read and verified: the marker, every checksum, ``extra.pt``, and
 every tensor and record, which ``dcp.load`` reads into a staging copy of the state dict
 (fresh tensors of the same shapes, dtypes and placements). Only then is the staging
 copy loaded into the model and optimizer (``set_state_dict``; ``load_state_dict`` is
-atomic, see [Note: atomic load] in ``state_dict.py``). The cost is memory: this rank's
+atomic, see [Note: atomic load] in ``load_checks.py``). The cost is memory: this rank's
 shards of the model and optimizer state once more during the load (for AdamW in fp32,
 3 x 4 bytes per parameter / world size; see ``load_checkpoint``). A fresh optimizer's
 state, which DCP needs to exist and ``get_state_dict`` creates, is removed again if
@@ -78,29 +43,17 @@ from its seed and the step, exactly as a fresh run of that world size would.
 
 The directory must be on a file system that every rank sees (as DCP's
 ``FileSystemWriter`` requires).
-
-[Note: loading runs no code] A checkpoint's files are data, never code: whoever can
-write to the checkpoint directory must not be able to run code in every rank that loads
-it. Plain DCP unpickles ``.metadata`` with ``pickle`` and its non-tensor records with
-``torch.load(weights_only=False)``, so a crafted file runs anything. Here ``.metadata``
-goes through ``_MetadataUnpickler`` (only the classes DCP's ``Metadata`` is made of),
-non-tensor records and ``extra.pt`` through ``torch.load(weights_only=True)``, and DCP
-already reads tensor records with ``weights_only=True``. A refused file raises
-``CheckpointError`` naming it; ``save_checkpoint`` refuses ``extra`` or ``rank_extra``
-that would not load this way, before writing anything. The ``COMPLETE`` marker is no
-defence here: it is plain JSON that anyone able to replace a file can rewrite too.
 """
 
 import os
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -129,6 +82,16 @@ from .checkpoint_files import (
     write_extra,
     write_marker,
 )
+from .rank_agreement import (
+    agree,
+    agree_dcp,
+    all_gather,
+    current_rank,
+    current_world_size,
+    describe,
+    gather_to_rank0,
+    only_on,
+)
 
 __all__ = [
     "EXTRA_FILE",
@@ -142,7 +105,6 @@ __all__ = [
 ]
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_T = TypeVar("_T")
 
 # One optimizer, or several over disjoint parameters (torch's get_state_dict/set_state_dict
 # take either).
@@ -226,7 +188,7 @@ def save_checkpoint(
         raise ValueError(f"step must be non-negative (got {step})")
     final = checkpoint_path(directory, step)
     staging = final + TMP_SUFFIX
-    rank, world_size = _rank(), _world_size()
+    rank, world_size = current_rank(), current_world_size()
     is_writer = rank == 0
 
     def check_extras() -> None:
@@ -234,29 +196,29 @@ def save_checkpoint(
             check_plain_data("save_checkpoint: extra", extra)
         check_plain_data(f"save_checkpoint: rank {rank}'s rank_extra", rank_extra)
 
-    _agree("save_checkpoint: checking extra and rank_extra", check_extras)
-    all_rank_extra = _gather_to_rank0(rank_extra)
+    agree("save_checkpoint: checking extra and rank_extra", check_extras)
+    all_rank_extra = gather_to_rank0(rank_extra)
     # Nobody writes into staging before rank 0 has emptied it.
-    prepare = _on(is_writer, _prepare_staging, staging, final)
-    _agree(f"save_checkpoint: preparing {staging}", prepare)
-    state = _agree("save_checkpoint: get_state_dict", lambda: _state_dict(model, optimizer))
-    _dcp(
+    prepare = only_on(is_writer, _prepare_staging, staging, final)
+    agree(f"save_checkpoint: preparing {staging}", prepare)
+    state = agree("save_checkpoint: get_state_dict", lambda: _state_dict(model, optimizer))
+    agree_dcp(
         f"save_checkpoint: writing {staging} (dcp.save)",
         lambda: dcp.save(state, checkpoint_id=staging),
     )
     saved = {"extra": extra, "rank_extra": all_rank_extra}
-    _agree(f"save_checkpoint: writing {EXTRA_FILE}", _on(is_writer, write_extra, staging, saved))
+    agree(f"save_checkpoint: writing {EXTRA_FILE}", only_on(is_writer, write_extra, staging, saved))
     # Every rank's files are on disk (dcp.save returns once all are; the agreement
     # above orders extra.pt) before anyone lists and checksums them.
-    stripe = _agree(
+    stripe = agree(
         "save_checkpoint: checksumming",
         lambda: checksums(staging, data_files(staging)[rank::world_size]),
     )
-    stripes = _gather_to_rank0(stripe)
+    stripes = gather_to_rank0(stripe)
     crc32 = None if stripes is None else {n: c for s in stripes.values() for n, c in s.items()}
-    _agree(
+    agree(
         f"save_checkpoint: committing {final}",
-        _on(is_writer, _commit, staging, final, step, world_size, crc32, keep_last),
+        only_on(is_writer, _commit, staging, final, step, world_size, crc32, keep_last),
     )
     return final
 
@@ -357,9 +319,9 @@ def latest_checkpoint(directory: str) -> str | None:
     stripe of the files, and all return the same path (a checkpoint only some ranks
     see is skipped). Without one it verifies whole checkpoints in this process.
     """
-    listed = _all_gather([path for _, path in _complete_checkpoints(directory, warn=True)])
+    listed = all_gather([path for _, path in _complete_checkpoints(directory, warn=True)])
     seen_by_all = set.intersection(*(set(paths) for paths in listed))
-    rank, world_size = _rank(), _world_size()
+    rank, world_size = current_rank(), current_world_size()
     for path in reversed(listed[0]):
         if path not in seen_by_all:
             continue
@@ -367,8 +329,8 @@ def latest_checkpoint(directory: str) -> str | None:
             verify_checksums(path, read_marker(path), slice(rank, None, world_size))
             problem = None
         except Exception as exc:  # noqa: BLE001 - unreadable is as bad as corrupted: next
-            problem = str(exc) if isinstance(exc, CheckpointError) else _describe(exc)
-        problems = [p for p in _all_gather(problem) if p is not None]
+            problem = str(exc) if isinstance(exc, CheckpointError) else describe(exc)
+        problems = [p for p in all_gather(problem) if p is not None]
         if not problems:
             return path
         warnings.warn(f"skipping checkpoint: {problems[0]}", stacklevel=2)
@@ -424,21 +386,21 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizers | None) -
             no code]), or if DCP cannot read it into this model; the message names the
             failing rank (see [Note: agreeing on failure]).
     """
-    rank, world_size = _rank(), _world_size()
-    marker = _agree(f"load_checkpoint: reading the {MARKER} marker", lambda: read_marker(path))
-    _agree(
+    rank, world_size = current_rank(), current_world_size()
+    marker = agree(f"load_checkpoint: reading the {MARKER} marker", lambda: read_marker(path))
+    agree(
         "load_checkpoint: verifying checksums",
         lambda: verify_checksums(path, marker, slice(rank, None, world_size)),
     )
-    saved = _agree(f"load_checkpoint: reading {EXTRA_FILE}", lambda: load_extra(path))
+    saved = agree(f"load_checkpoint: reading {EXTRA_FILE}", lambda: load_extra(path))
     optimizers = _as_list(optimizer)
     fresh = [o for o in optimizers if not o.state]
     try:
         reader = SafeReader(path, set(marker["files"]))
-        staged = _agree(
+        staged = agree(
             "load_checkpoint: staging", lambda: _staging_state_dict(model, optimizer, reader)
         )
-        _dcp(
+        agree_dcp(
             f"load_checkpoint: reading {path}",
             lambda: dcp.load(staged, storage_reader=reader, planner=SafeLoadPlanner()),
         )
@@ -447,7 +409,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optimizers | None) -
             # get_state_dict created it; see [Note: atomic checkpoint load]
             fresh_optimizer.state.clear()
         raise
-    _agree(
+    agree(
         "load_checkpoint: loading into the model and optimizer",
         lambda: _load_staged(model, optimizer, staged),
     )
@@ -509,102 +471,6 @@ def _own_rank_extra(
 ) -> dict[str, Any] | None:
     # Rank r of a different world size is a different slice of the data: its saved
     # state would be wrong, not merely stale, so none is returned.
-    if all_rank_extra is None or saved_world_size != _world_size():
+    if all_rank_extra is None or saved_world_size != current_world_size():
         return None
-    return all_rank_extra.get(_rank())
-
-
-# ---------------------------------------------------------------------------
-# Agreeing on failure (see [Note: agreeing on failure])
-# ---------------------------------------------------------------------------
-
-
-def _agree(step: str, fn: Callable[[], _T]) -> _T:
-    """Run ``fn``, this rank's part of ``step``, then learn whether every rank's part
-    succeeded: one ``all_gather_object`` of the outcomes.
-
-    Returns:
-        ``fn``'s result on this rank.
-
-    Raises:
-        CheckpointError: on every rank if ``fn`` raised on any: the same message on
-            every rank, chained to the original on the rank that raised it.
-    """
-    try:
-        result, error = fn(), None
-    except Exception as exc:  # noqa: BLE001 - any failure: every rank must hear of it
-        result, error = None, exc
-    outcomes = _all_gather(None if error is None else _describe(error))
-    failures = {rank: outcome for rank, outcome in enumerate(outcomes) if outcome is not None}
-    if failures:
-        raise _failed(step, failures) from error
-    return result  # type: ignore[return-value]
-
-
-def _dcp(step: str, fn: Callable[[], Any]) -> None:
-    """Run ``dcp.save`` or ``dcp.load``, which gather every rank's failure into a
-    ``CheckpointException`` (a ``BaseException``) raised on every rank, and raise it as
-    the same ``CheckpointError`` as ``_agree`` would."""
-    try:
-        fn()
-    except dcp.CheckpointException as exc:
-        # failures: {rank: (exception, traceback)} in torch 2.11-2.14.
-        failures = {
-            rank: _describe(failure[0] if isinstance(failure, tuple) else failure)
-            for rank, failure in sorted((getattr(exc, "failures", None) or {}).items())
-        }
-        raise _failed(step, failures or {_rank(): _describe(exc)}) from exc
-
-
-def _on(is_mine: bool, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
-    """``fn(*args)`` as a step that only this rank does if ``is_mine`` (rank 0's work)."""
-    return (lambda: fn(*args)) if is_mine else (lambda: None)
-
-
-def _describe(error: BaseException) -> str:
-    # Our own errors already say what and where; others need their type.
-    if isinstance(error, CheckpointError):
-        return str(error)
-    return f"{type(error).__name__}: {error}"
-
-
-def _failed(step: str, failures: dict[int, str]) -> CheckpointError:
-    first, message = next(iter(failures.items()))
-    others = [rank for rank in failures if rank != first]
-    also = f" (and on ranks {others})" if others else ""
-    return CheckpointError(f"{step} failed on rank {first}{also}: {message}")
-
-
-# ---------------------------------------------------------------------------
-# Process group helpers (also usable in one process without a group)
-# ---------------------------------------------------------------------------
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _all_gather(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order, on every rank."""
-    if not dist.is_initialized():
-        return [value]
-    gathered: list[Any] = [None] * _world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
-def _gather_to_rank0(value: Any) -> dict[int, Any] | None:
-    """Every rank's ``value`` keyed by global rank, on rank 0 (``None`` elsewhere or if
-    no rank gave one). Only for values known to pickle: a pickling error would raise on
-    one rank before the collective."""
-    if not dist.is_initialized():
-        return None if value is None else {0: value}
-    gathered: list[Any] | None = [None] * _world_size() if _rank() == 0 else None
-    dist.gather_object(value, gathered, dst=0)
-    if gathered is None or all(v is None for v in gathered):
-        return None
-    return {rank: v for rank, v in enumerate(gathered) if v is not None}
+    return all_rank_extra.get(current_rank())
