@@ -51,6 +51,7 @@ class Side:
     MixedPrecisionPolicy: type
     FSDPModule: type
     register_fsdp_forward_method: Callable[..., Any]
+    CPUOffloadPolicy: type
 
 
 def _side(name: str, library: str) -> Side:
@@ -61,6 +62,7 @@ def _side(name: str, library: str) -> Side:
         module.MixedPrecisionPolicy,
         module.FSDPModule,
         module.register_fsdp_forward_method,
+        module.CPUOffloadPolicy,
     )
 
 
@@ -114,6 +116,12 @@ def rank_input(step: int, *shape: int, dtype: torch.dtype = torch.float32) -> to
     """This rank's batch for ``step``: the same on both sides, different per rank."""
     generator = torch.Generator().manual_seed(1000 * step + dist.get_rank())
     return torch.randn(*shape, generator=generator).to(dtype)
+
+
+def rank_tokens(step: int, vocab: int, *shape: int) -> torch.Tensor:
+    """This rank's token ids for ``step`` (as ``rank_input``)."""
+    generator = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randint(0, vocab, shape, generator=generator)
 
 
 def train(

@@ -49,10 +49,10 @@ from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.checkpoint import checkpoint
 
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed
+from tests.runtime.scenarios._blocks import DIM, Block, Stack
 from tests.runtime.scenarios._side_by_side import (
     Side,
     assert_pairs_same,
@@ -67,50 +67,7 @@ from tests.runtime.scenarios._side_by_side import (
 )
 
 WORLD_SIZE = 2
-DIM, ROWS, STEPS = 8, 4, 3
-
-
-class FeedForward(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(DIM, 2 * DIM)
-        self.w2 = nn.Linear(2 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.w1(x).relu())
-
-
-class Block(nn.Module):
-    """``x + ff(norm(x))``; ``utils_ac`` checkpoints its body with torch.utils.checkpoint."""
-
-    def __init__(self, utils_ac: bool = False) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.ff = FeedForward()
-        self.utils_ac = utils_ac
-
-    def _body(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.ff(self.norm(x))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.utils_ac:
-            return checkpoint(self._body, x, use_reentrant=False)
-        return self._body(x)
-
-
-class Stack(nn.Module):
-    def __init__(self, blocks: int, utils_ac: bool = False) -> None:
-        super().__init__()
-        self.stem = nn.Linear(DIM, DIM)
-        self.blocks = nn.ModuleList(Block(utils_ac) for _ in range(blocks))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.stem(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
+ROWS, STEPS = 4, 3
 
 
 def _stack(side: Side, mesh: DeviceMesh, blocks: int = 3, ac: str = "none", **kwargs: Any) -> Stack:
