@@ -26,7 +26,11 @@ local shard after an Adam step, compared bitwise:
   ``retain_graph`` and ``set_is_last_backward`` (torch's backward-prefetch case of a
   forward whose two branches are used in separate backwards);
 - ``eval_between``: ``no_grad`` and ``inference_mode`` forwards between training steps
-  (their outputs compared too).
+  (their outputs compared too);
+- ``weight_outside``: a sharded module whose output is dropped while the root uses its
+  weight directly (``reshard_after_forward=False`` keeps it registered unsharded): no
+  hook of that module fires in backward, and only the end-of-backward callback can
+  reduce the weight's gradient.
 """
 
 import collections
@@ -384,11 +388,31 @@ def _eval_between(side: Side, mesh: DeviceMesh, raf: bool | int) -> list[dict]:
     return steps
 
 
+class WeightOutside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(DIM, DIM)
+        self.aux = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        self.aux(h.detach())  # run, its output dropped
+        return (h @ self.aux.weight.t()).tanh().sum()  # the unsharded weight, used here
+
+
+def _weight_outside(side: Side, mesh: DeviceMesh) -> list[dict]:
+    torch.manual_seed(42)
+    model = WeightOutside()
+    side.fully_shard(model.aux, mesh=mesh, reshard_after_forward=False)
+    side.fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return train(model, STEPS, lambda step: model(rank_input(step, ROWS, DIM)))
+
+
 # ---------------------------------------------------------------------------
 # The spawn
 # ---------------------------------------------------------------------------
 
-CASES: dict[str, Callable[[Side, DeviceMesh], Any]] = {}
+CASES: dict[str, Callable[[Side, DeviceMesh], Any]] = {"weight_outside": _weight_outside}
 for _raf in RESHARD:
     CASES[f"unused_output-{_raf_id(_raf)}"] = lambda s, m, r=_raf: _unused_output(s, m, r)
     CASES[f"unused_module-{_raf_id(_raf)}"] = lambda s, m, r=_raf: _unused_module(s, m, r)
@@ -536,3 +560,17 @@ def test_grads_between_two_backwards_are_registered_like_torch(run, raf) -> None
 @pytest.mark.parametrize("raf", [True, False], ids=_raf_id)
 def test_eval_forwards_between_steps_match_torch(run, raf) -> None:
     _check(run, f"eval_between-{_raf_id(raf)}")
+
+
+@known_difference(
+    "silently wrong training: with reshard_after_forward=False, a group whose module ran "
+    "but whose output is dropped, its weight used by the root directly, gets no "
+    "post-backward in ours: its grad stays on the unsharded param, unreduced (torch's "
+    "end-of-backward callback runs post_backward for every group not in POST_BACKWARD "
+    "and reduce-scatters it: one more reduce-scatter of 256 B per step), the group stays "
+    "unsharded, its sharded params get no grad and never train; losses differ from step 1"
+)
+def test_weight_used_outside_its_module_matches_torch(run) -> None:
+    for rank, (ours, _) in enumerate(_check(run, "weight_outside")):
+        assert all(step["grads"]["aux.weight"] is not None for step in ours), f"rank {rank}"
+        assert_trained(ours, f"rank {rank}")

@@ -34,7 +34,10 @@ and every local shard after an Adam step, compared bitwise:
 - ``cpu_offload``: ``CPUOffloadPolicy`` (torch's
   ``test_train_parity_multi_group_cpu_offload_eager``);
 - ``clip``: ``torch.nn.utils.clip_grad_norm_`` on the sharded grads for norm types 2, 1
-  and inf (torch's ``test_clip_grad_norm_1d``): the total norm and the clipped grads.
+  and inf (torch's ``test_clip_grad_norm_1d``): the total norm and the clipped grads;
+- ``ddp_ignored``: DDP over a model whose middle part is sharded with a submodule's
+  parameters left to DDP through ``ignored_params`` (torch's
+  ``test_fully_shard_ignore_params.py``, ``test_ddp_A_fsdp_B_ddp_C``).
 """
 
 import gc
@@ -51,6 +54,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
+from torch.nn.parallel import DistributedDataParallel
 
 from tests._harness import run_distributed
 from tests.runtime.scenarios._blocks import DIM, SEQ, VOCAB, Block, Stack, TokenModel
@@ -303,6 +307,41 @@ def _clip(side: Side, mesh: DeviceMesh, norm_type: float) -> list[dict]:
     return steps
 
 
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin_b = nn.Linear(DIM, DIM)
+        self.c = nn.Linear(DIM, DIM)  # left to DDP
+        self.shift = nn.Parameter(torch.randn(DIM, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin_b(self.c(x)) - self.shift
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+        self.offset = nn.Parameter(torch.randn(DIM, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.inner(x) + self.offset).tanh().sum()
+
+
+def _ddp_ignored(side: Side, mesh: DeviceMesh) -> list[dict]:
+    torch.manual_seed(42)
+    model = Outer()
+    ignored = set(model.inner.c.parameters())
+    side.fully_shard(model.inner.lin_b, mesh=mesh, ignored_params=ignored)
+    side.fully_shard(model.inner, mesh=mesh, ignored_params=ignored)
+    fsdp_managed = [
+        f"inner.{name}" for name, p in model.inner.named_parameters() if p not in ignored
+    ]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, fsdp_managed)
+    ddp = DistributedDataParallel(model, broadcast_buffers=False)
+    return train(ddp, STEPS, lambda step: ddp(rank_input(step, DIM, DIM)))
+
+
 # ---------------------------------------------------------------------------
 # The spawn
 # ---------------------------------------------------------------------------
@@ -323,6 +362,7 @@ CASES: dict[str, Callable[[Side, DeviceMesh], Any]] = {
     "layer_by_layer": _layer_by_layer,
     "contiguous": _contiguous,
     "cpu_offload": _cpu_offload,
+    "ddp_ignored": _ddp_ignored,
 }
 for _case in SINGLE_GROUP:
     CASES[_single_id(*_case)] = lambda s, m, c=_case: _single_group(s, m, *c)
@@ -420,3 +460,9 @@ def test_torch_clip_grad_norm_on_sharded_grads_matches_torch(run, norm_type) -> 
         for step in ours:
             assert step["total_norm"] > 0.5  # clipping fired
             assert any(not torch.equal(step["grads"][n], g) for n, g in step["grads_before"].items())
+
+
+def test_ddp_over_a_sharded_part_with_ignored_params_matches_torch(run) -> None:
+    for ours, _ in _checked(run, "ddp_ignored"):
+        # DDP's params (offset, c's) are plain tensors, FSDP's sharded; every one trains.
+        assert all(g is not None for g in ours[0]["grads"].values())

@@ -27,7 +27,10 @@ so ``bf16_model_to_fp32`` compares its grads to one bf16 rounding (see the test)
   norm in its own group with only ``output_dtype``) under bf16 (torch's
   ``test_norm_modules_bf16``);
 - ``list_group_cast``: a list group whose second module gets an fp32 tensor from the
-  first (torch's ``test_grouped_module_cast_forward_inputs``).
+  first (torch's ``test_grouped_module_cast_forward_inputs``);
+- ``jvp``: forward-mode AD (``torch.func.jvp``) through a module built on meta, sharded
+  with ``reshard_after_forward=False`` and bf16 casts, never run before (torch's
+  ``test_no_warmup_jvp_reshard_after_forward_false``).
 """
 
 from collections.abc import Callable
@@ -308,6 +311,24 @@ def _list_group_cast(side: Side, mesh: DeviceMesh) -> dict:
     return {"steps": train(model, STEPS, loss), "out_dtypes": dtypes}
 
 
+def _jvp(side: Side, mesh: DeviceMesh) -> dict:
+    policy = side.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=True)
+    with torch.device("meta"):
+        enc, dec = nn.Linear(16, 32, bias=False), nn.Linear(32, 24, bias=False)
+    for index, module in enumerate((enc, dec)):  # two roots
+        side.fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        module.to_empty(device="cpu")
+        torch.manual_seed(42 + index)
+        with torch.no_grad():
+            module.weight.normal_(std=module.in_features**-0.5)
+    encoded = enc(rank_input(0, 16, dtype=BF16))
+    primal = rank_input(1, 24, dtype=BF16).requires_grad_(True)
+    tangent = rank_input(2, 24, dtype=BF16)
+    # dec's output does not depend on the primal: its tangent is zero.
+    output, tangent_out = torch.func.jvp(lambda unused: dec(encoded), (primal,), (tangent,))
+    return {"output": output.detach(), "tangent": tangent_out.detach()}
+
+
 # ---------------------------------------------------------------------------
 # The spawn
 # ---------------------------------------------------------------------------
@@ -329,6 +350,7 @@ def _compute_id(dtype: torch.dtype, raf: bool | int, largest: bool) -> str:
 CASES: dict[str, Callable[[Side, DeviceMesh], Any]] = {
     "bf16_model_to_fp32": _bf16_model_to_fp32,
     "list_group_cast": _list_group_cast,
+    "jvp": _jvp,
 }
 for _case in COMPUTE:
     CASES[_compute_id(*_case)] = lambda s, m, c=_case: _compute(s, m, *c)
@@ -434,3 +456,10 @@ def test_norm_modules_under_bf16_match_torch(run, kind) -> None:
 def test_list_group_casts_each_modules_inputs_like_torch(run) -> None:
     for ours, _ in _checked(run, "list_group_cast"):
         assert set(ours["out_dtypes"]) == {"torch.bfloat16"}
+
+
+def test_jvp_through_a_module_never_run_before_matches_torch(run) -> None:
+    pairs = side_records(run, "jvp")
+    assert_pairs_same(pairs)
+    for ours, _ in pairs:
+        assert ours["output"].dtype == BF16 and not ours["tangent"].any()
