@@ -59,7 +59,9 @@ class TokenModel(nn.Module):
     """Token and position embeddings -> blocks -> norm -> output projection to the
     vocabulary; ``tie`` shares the output weight with the token embedding."""
 
-    def __init__(self, blocks: int = 3, tie: bool = False, utils_ac: bool = False, vocab: int = VOCAB) -> None:
+    def __init__(
+        self, blocks: int = 3, tie: bool = False, utils_ac: bool = False, vocab: int = VOCAB
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, DIM)
         self.pos = nn.Embedding(SEQ, DIM)

@@ -14,9 +14,11 @@ and every reduction adds two terms (a + b == b + a exactly), so any difference i
 behaviour difference ([Note: parity tolerances] in ``tests/_parity.py``, item 1).
 A case whose arithmetic differs says so and compares with a tolerance.
 
-Child side: ``run_cases`` (the spawned function's body), the record helpers
-``local``, ``local_grads``, ``local_shards``, ``collectives``, ``rank_input``.
-Parent side: ``side_records`` and ``assert_same``.
+A scenario file defines ``CASES`` (name -> case) and gets its spawn as the fixture
+``run = cases_fixture(__name__)``. Child side: ``run_cases``, the record helpers
+``local``, ``local_grads``, ``local_shards``, ``collectives``, ``rank_input``,
+``rank_tokens`` and ``train``. Parent side: ``side_records``, ``checked``,
+``assert_same`` and ``known_difference``.
 
 ``--fsdp-impl torch`` (tests/conftest.py) puts torch's ``fully_shard`` on both sides,
 which checks the cases themselves: they must be deterministic.
@@ -36,9 +38,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests._c10d import C10dRecorder
-from tests._harness import run_scenarios, scenario_records
+from tests._harness import run_distributed, run_scenarios, scenario_records
 
 SIDES = ("ours", "torch")
+WORLD_SIZE = 2
 _MODULES = {"ours": "dtensor_fsdp", "torch": "torch.distributed.fsdp"}
 
 
@@ -81,6 +84,22 @@ def run_cases(fsdp_impl: str, cases: dict[str, Case]) -> dict[str, tuple[str, An
             for side in SIDES
         }
     )
+
+
+def _run_module_cases(rank: int, world_size: int, fsdp_impl: str, module: str) -> dict:
+    return run_cases(fsdp_impl, importlib.import_module(module).CASES)
+
+
+def cases_fixture(module: str) -> Any:
+    """The module-scoped fixture ``run``: one spawn of ``WORLD_SIZE`` gloo ranks running
+    every case of ``module``'s ``CASES`` on both sides; per rank, every scenario's
+    record."""
+
+    @pytest.fixture(scope="module")
+    def run(fsdp_impl: str) -> list[dict[str, Any]]:
+        return run_distributed(_run_module_cases, WORLD_SIZE, fsdp_impl, module, timeout=300.0)
+
+    return run
 
 
 # ---------------------------------------------------------------------------
@@ -199,6 +218,16 @@ def assert_pairs_same(pairs: list[tuple[Any, Any]]) -> None:
     """``assert_same`` on every rank's (ours, torch's) records."""
     for rank, (ours, theirs) in enumerate(pairs):
         assert_same(ours, theirs, f"rank {rank}")
+
+
+def checked(run: list, case: str) -> list[tuple[Any, Any]]:
+    """``case``'s records, every rank's equal to torch's (``assert_same``) and not
+    vacuous (``assert_trained`` on its steps: the record, or its ``"steps"``)."""
+    pairs = side_records(run, case)
+    assert_pairs_same(pairs)
+    for rank, (ours, _) in enumerate(pairs):
+        assert_trained(ours["steps"] if isinstance(ours, dict) else ours, f"rank {rank}")
+    return pairs
 
 
 def assert_trained(steps: list[dict[str, Any]], where: str) -> None:

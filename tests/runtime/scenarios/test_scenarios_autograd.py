@@ -33,8 +33,6 @@ local shard after an Adam step, compared bitwise:
   reduce the weight's gradient.
 """
 
-import collections
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -44,23 +42,21 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tests._c10d import C10dRecorder
-from tests._harness import run_distributed
+from tests.runtime.scenarios._containers import KINDS, ContainerModel
 from tests.runtime.scenarios._side_by_side import (
     Side,
-    assert_pairs_same,
     assert_same,
-    assert_trained,
+    cases_fixture,
+    checked,
     collectives,
     known_difference,
     local_grads,
     local_shards,
     rank_input,
-    run_cases,
     side_records,
     train,
 )
 
-WORLD_SIZE = 2
 DIM, ROWS, STEPS = 8, 4, 3
 RESHARD = (True, False, 1)
 
@@ -113,94 +109,6 @@ def _unused_module(side: Side, mesh: DeviceMesh, raf: bool | int) -> list[dict]:
 # ---------------------------------------------------------------------------
 # Activations inside containers, next to non-tensor values
 # ---------------------------------------------------------------------------
-
-Pair = collections.namedtuple("Pair", "x y tag n idx")
-
-
-@dataclasses.dataclass
-class Flat:
-    x: torch.Tensor
-    y: torch.Tensor
-    tag: str
-    n: int
-    idx: torch.Tensor
-
-
-@dataclasses.dataclass
-class Inner:
-    x: torch.Tensor
-    tag: str
-
-
-@dataclasses.dataclass
-class Outer:
-    inner: Inner
-    y: torch.Tensor
-    n: int
-    idx: torch.Tensor
-
-
-KINDS = ("list", "tuple", "namedtuple", "dict", "dataclass", "nested_dataclass")
-
-
-def _pack(kind: str, x: torch.Tensor, y: torch.Tensor, n: int) -> Any:
-    """(x, y) with a string, an int and an integer tensor (no grad) beside them."""
-    idx = x.detach().argmax(dim=-1)
-    if kind == "list":
-        return [x, y, "tag", n, idx]
-    if kind == "tuple":
-        return (x, y, "tag", n, idx)
-    if kind == "namedtuple":
-        return Pair(x, y, "tag", n, idx)
-    if kind == "dict":
-        return {"x": x, "y": y, "tag": "tag", "n": n, "idx": idx}
-    if kind == "dataclass":
-        return Flat(x, y, "tag", n, idx)
-    return Outer(Inner(x, "tag"), y, n, idx)
-
-
-def _unpack(kind: str, value: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
-    if kind in ("list", "tuple", "namedtuple"):
-        x, y, tag, n, _ = value
-    elif kind == "dict":
-        x, y, tag, n = value["x"], value["y"], value["tag"], value["n"]
-    elif kind == "dataclass":
-        x, y, tag, n = value.x, value.y, value.tag, value.n
-    else:
-        x, y, tag, n = value.inner.x, value.y, value.inner.tag, value.n
-    assert tag == "tag"
-    return x, y, n
-
-
-class ContainerBlock(nn.Module):
-    """Unpacks its container, runs a Linear on each tensor, packs them again."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-        self.lin_x = nn.Linear(DIM, DIM)
-        self.lin_y = nn.Linear(DIM, DIM)
-
-    def forward(self, value: Any) -> Any:
-        x, y, n = _unpack(self.kind, value)
-        return _pack(self.kind, self.lin_x(x).relu(), self.lin_y(y + x).tanh(), n + 1)
-
-
-class ContainerModel(nn.Module):
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-        self.stem = nn.Linear(DIM, DIM)  # the blocks' inputs require grad
-        self.blocks = nn.ModuleList(ContainerBlock(kind) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.stem(x)
-        value = _pack(self.kind, h, h.clone(), 0)
-        for block in self.blocks:
-            value = block(value)
-        out_x, out_y, n = _unpack(self.kind, value)
-        assert n == len(self.blocks)
-        return (out_x.float() * out_y.float()).sum()
 
 
 def _container(side: Side, mesh: DeviceMesh, kind: str, raf: bool, bf16: bool) -> list[dict]:
@@ -418,7 +326,9 @@ for _raf in RESHARD:
     CASES[f"unused_module-{_raf_id(_raf)}"] = lambda s, m, r=_raf: _unused_module(s, m, r)
     CASES[f"reused-{_raf_id(_raf)}"] = lambda s, m, r=_raf: _reused(s, m, r)
     for _name, _cls in ROOTED.items():
-        CASES[f"{_name}-{_raf_id(_raf)}"] = lambda s, m, c=_cls, r=_raf: _blocks_then_root(s, m, c, r)
+        CASES[f"{_name}-{_raf_id(_raf)}"] = lambda s, m, c=_cls, r=_raf: _blocks_then_root(
+            s, m, c, r
+        )
 for _raf in (True, False):
     CASES[f"retain_graph-{_raf_id(_raf)}"] = lambda s, m, r=_raf: _retain_graph(s, m, r)
     CASES[f"eval_between-{_raf_id(_raf)}"] = lambda s, m, r=_raf: _eval_between(s, m, r)
@@ -435,32 +345,18 @@ for _case in CONTAINER_CASES:
     CASES[_container_id(*_case)] = lambda s, m, c=_case: _container(s, m, *c)
 
 
-def _run(rank: int, world_size: int, fsdp_impl: str) -> dict[str, Any]:
-    return run_cases(fsdp_impl, CASES)
-
-
-@pytest.fixture(scope="module")
-def run(fsdp_impl: str) -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=300.0)
-
-
-def _check(run: list, case: str) -> list[tuple[Any, Any]]:
-    pairs = side_records(run, case)
-    assert_pairs_same(pairs)
-    return pairs
+run = cases_fixture(__name__)
 
 
 @pytest.mark.parametrize("raf", RESHARD, ids=_raf_id)
 def test_unused_forward_output_matches_torch(run, raf) -> None:
-    for rank, (ours, _) in enumerate(_check(run, f"unused_output-{_raf_id(raf)}")):
-        assert_trained(ours, f"rank {rank}")
+    checked(run, f"unused_output-{_raf_id(raf)}")
 
 
 @pytest.mark.parametrize("raf", RESHARD, ids=_raf_id)
 def test_unused_forward_module_matches_torch(run, raf) -> None:
-    for rank, (ours, _) in enumerate(_check(run, f"unused_module-{_raf_id(raf)}")):
+    for rank, (ours, _) in enumerate(checked(run, f"unused_module-{_raf_id(raf)}")):
         assert all(step["grads"]["b.weight"] is None for step in ours), f"rank {rank}"
-        assert_trained(ours, f"rank {rank}")
 
 
 # Found by these cases (issue 37's guard): ours flattens forward inputs and outputs with
@@ -482,24 +378,21 @@ def _container_param(kind: str, raf: bool, bf16: bool) -> Any:
 
 @pytest.mark.parametrize("kind,raf,bf16", [_container_param(*c) for c in CONTAINER_CASES])
 def test_activations_in_containers_match_torch(run, kind, raf, bf16) -> None:
-    for rank, (ours, _) in enumerate(_check(run, _container_id(kind, raf, bf16))):
+    for rank, (ours, _) in enumerate(checked(run, _container_id(kind, raf, bf16))):
         # Every block's two Linears get grads: no container field loses its hook.
         assert all(g is not None for g in ours[0]["grads"].values()), f"rank {rank}"
-        assert_trained(ours, f"rank {rank}")
 
 
 @pytest.mark.parametrize("name", list(ROOTED))
 @pytest.mark.parametrize("raf", RESHARD, ids=_raf_id)
 def test_views_inplace_and_passthrough_outputs_match_torch(run, name, raf) -> None:
-    for rank, (ours, _) in enumerate(_check(run, f"{name}-{_raf_id(raf)}")):
+    for rank, (ours, _) in enumerate(checked(run, f"{name}-{_raf_id(raf)}")):
         assert all(g is not None for g in ours[0]["grads"].values()), f"rank {rank}"
-        assert_trained(ours, f"rank {rank}")
 
 
 @pytest.mark.parametrize("raf", RESHARD, ids=_raf_id)
 def test_module_run_twice_in_one_forward_matches_torch(run, raf) -> None:
-    for rank, (ours, _) in enumerate(_check(run, f"reused-{_raf_id(raf)}")):
-        assert_trained(ours, f"rank {rank}")
+    checked(run, f"reused-{_raf_id(raf)}")
 
 
 @pytest.mark.parametrize("raf", [True, False], ids=_raf_id)
@@ -526,7 +419,10 @@ RETAIN_GRAPH_COLLECTIVES = {
 
 @pytest.mark.parametrize(
     "raf",
-    [pytest.param(r, marks=known_difference(RETAIN_GRAPH_COLLECTIVES[r]), id=_raf_id(r)) for r in (True, False)],
+    [
+        pytest.param(r, marks=known_difference(RETAIN_GRAPH_COLLECTIVES[r]), id=_raf_id(r))
+        for r in (True, False)
+    ],
 )
 def test_two_backwards_of_one_forward_collectives_match_torch(run, raf) -> None:
     for rank, (ours, theirs) in enumerate(side_records(run, f"retain_graph-{_raf_id(raf)}")):
@@ -559,7 +455,7 @@ def test_grads_between_two_backwards_are_registered_like_torch(run, raf) -> None
 
 @pytest.mark.parametrize("raf", [True, False], ids=_raf_id)
 def test_eval_forwards_between_steps_match_torch(run, raf) -> None:
-    _check(run, f"eval_between-{_raf_id(raf)}")
+    checked(run, f"eval_between-{_raf_id(raf)}")
 
 
 @known_difference(
@@ -571,6 +467,5 @@ def test_eval_forwards_between_steps_match_torch(run, raf) -> None:
     "unsharded, its sharded params get no grad and never train; losses differ from step 1"
 )
 def test_weight_used_outside_its_module_matches_torch(run) -> None:
-    for rank, (ours, _) in enumerate(_check(run, "weight_outside")):
+    for rank, (ours, _) in enumerate(checked(run, "weight_outside")):
         assert all(step["grads"]["aux.weight"] is not None for step in ours), f"rank {rank}"
-        assert_trained(ours, f"rank {rank}")

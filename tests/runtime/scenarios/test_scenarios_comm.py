@@ -53,24 +53,22 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 
 from tests._c10d import C10dRecorder
-from tests._harness import run_distributed
 from tests.runtime.scenarios._blocks import DIM, Block, Stack
 from tests.runtime.scenarios._side_by_side import (
     Side,
-    assert_pairs_same,
     assert_same,
     assert_trained,
+    cases_fixture,
+    checked,
     collectives,
     known_difference,
     local,
     local_grads,
     local_shards,
     rank_input,
-    run_cases,
     side_records,
 )
 
-WORLD_SIZE = 2
 ROWS, STEPS = 4, 3
 
 
@@ -152,7 +150,9 @@ def _manual_reshard(side: Side, mesh: DeviceMesh) -> list[dict]:
     return _steps(model, _plain(model), between=reshard_all)
 
 
-def _dangling_forward(side: Side, mesh: DeviceMesh, raf: bool | int | None, root_params: bool) -> list[dict]:
+def _dangling_forward(
+    side: Side, mesh: DeviceMesh, raf: bool | int | None, root_params: bool
+) -> list[dict]:
     """``root_params=False``: the blocks only, under a root that holds no parameters."""
     if root_params:
         model = _stack(side, mesh, reshard_after_forward=raf)
@@ -164,7 +164,10 @@ def _dangling_forward(side: Side, mesh: DeviceMesh, raf: bool | int | None, root
         side.fully_shard(model, mesh=mesh, reshard_after_forward=raf)
     # The optimizer first: after this forward a group that kept its params unsharded
     # registers them, and an optimizer built then would hold those (on both sides).
-    dropped = lambda: model(rank_input(100, ROWS, DIM))  # noqa: E731 (no backward ever)
+
+    def dropped() -> None:
+        model(rank_input(100, ROWS, DIM))  # no backward ever
+
     return _steps(model, _plain(model), prologue=dropped)
 
 
@@ -172,7 +175,10 @@ def _two_forwards(side: Side, mesh: DeviceMesh, raf: bool | int | None, ac: str)
     model = _stack(side, mesh, ac=ac, reshard_after_forward=raf)
 
     def forward(step: int) -> torch.Tensor:
-        return model(rank_input(step, ROWS, DIM)).sum() + model(rank_input(50 + step, ROWS, DIM)).square().sum()
+        return (
+            model(rank_input(step, ROWS, DIM)).sum()
+            + model(rank_input(50 + step, ROWS, DIM)).square().sum()
+        )
 
     return _steps(model, forward)
 
@@ -342,33 +348,26 @@ for _raf in COUNT:
             lambda s, m, r=_raf, p=_root_params: _dangling_forward(s, m, r, p)
         )
 for _value, _recurse in SET_RAF:
-    CASES[f"set_raf-{_value}-recurse={_recurse}"] = lambda s, m, v=_value, r=_recurse: _set_raf(s, m, v, r)
+    CASES[f"set_raf-{_value}-recurse={_recurse}"] = lambda s, m, v=_value, r=_recurse: _set_raf(
+        s, m, v, r
+    )
 for _raf, _ac in TWO_FORWARDS:
-    CASES[f"two_forwards-{_raf_id(_raf)}-ac={_ac}"] = lambda s, m, r=_raf, a=_ac: _two_forwards(s, m, r, a)
+    CASES[f"two_forwards-{_raf_id(_raf)}-ac={_ac}"] = lambda s, m, r=_raf, a=_ac: _two_forwards(
+        s, m, r, a
+    )
 for _direction, _n in PREFETCH:
     CASES[f"{_direction}_prefetch-{_n}"] = lambda s, m, d=_direction, c=_n: _prefetch(s, m, d, c)
 for _explicit in (False, True):
-    CASES[f"prefetch_inside_ac-explicit={_explicit}"] = lambda s, m, e=_explicit: _prefetch_inside_ac(s, m, e)
+    CASES[f"prefetch_inside_ac-explicit={_explicit}"] = lambda s, m, e=_explicit: (
+        _prefetch_inside_ac(s, m, e)
+    )
 for _paramless in (False, True):
-    CASES[f"unshard_first-paramless_root={_paramless}"] = lambda s, m, p=_paramless: _unshard_first(s, m, p)
+    CASES[f"unshard_first-paramless_root={_paramless}"] = lambda s, m, p=_paramless: _unshard_first(
+        s, m, p
+    )
 
 
-def _run(rank: int, world_size: int, fsdp_impl: str) -> dict[str, Any]:
-    return run_cases(fsdp_impl, CASES)
-
-
-@pytest.fixture(scope="module")
-def run(fsdp_impl: str) -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=300.0)
-
-
-def _checked(run: list, case: str) -> list[tuple[Any, Any]]:
-    pairs = side_records(run, case)
-    assert_pairs_same(pairs)
-    for rank, (ours, _) in enumerate(pairs):
-        steps = ours["steps"] if isinstance(ours, dict) else ours
-        assert_trained(steps, f"rank {rank}")
-    return pairs
+run = cases_fixture(__name__)
 
 
 def _count_kind(records: list[tuple[str, int]], kind: str) -> int:
@@ -377,7 +376,7 @@ def _count_kind(records: list[tuple[str, int]], kind: str) -> int:
 
 @pytest.mark.parametrize("raf", COUNT, ids=_raf_id)
 def test_collectives_per_reshard_after_forward_match_torch(run, raf) -> None:
-    for ours, _ in _checked(run, f"count-{_raf_id(raf)}"):
+    for ours, _ in checked(run, f"count-{_raf_id(raf)}"):
         # torch's counts: one all-gather per group in forward; in backward one per group
         # that resharded (the root never does with None; with 1, to a mesh of one rank,
         # the backward's gather is local), one reduce-scatter per group.
@@ -418,7 +417,10 @@ DANGLING_DIFFERENCE = known_difference(
 
 @pytest.mark.parametrize(
     "root_params",
-    [pytest.param(True, id="root_params=True"), pytest.param(False, id="root_params=False", marks=DANGLING_DIFFERENCE)],
+    [
+        pytest.param(True, id="root_params=True"),
+        pytest.param(False, id="root_params=False", marks=DANGLING_DIFFERENCE),
+    ],
 )
 @pytest.mark.parametrize("raf", COUNT, ids=_raf_id)
 def test_collectives_after_a_forward_without_backward_match_torch(run, raf, root_params) -> None:
@@ -431,46 +433,48 @@ def test_collectives_after_a_forward_without_backward_match_torch(run, raf, root
 
 @pytest.mark.parametrize("value,recurse", SET_RAF, ids=[f"{v}-recurse={r}" for v, r in SET_RAF])
 def test_set_reshard_after_forward_matches_torch(run, value, recurse) -> None:
-    _checked(run, f"set_raf-{value}-recurse={recurse}")
+    checked(run, f"set_raf-{value}-recurse={recurse}")
 
 
 def test_manual_reshard_after_forward_matches_torch(run) -> None:
-    for ours, _ in _checked(run, "manual_reshard"):
+    for ours, _ in checked(run, "manual_reshard"):
         assert all(_count_kind(r["backward"], "all_gather") == 4 for r in ours)
 
 
-@pytest.mark.parametrize("raf,ac", TWO_FORWARDS, ids=[f"{_raf_id(r)}-ac={a}" for r, a in TWO_FORWARDS])
+@pytest.mark.parametrize(
+    "raf,ac", TWO_FORWARDS, ids=[f"{_raf_id(r)}-ac={a}" for r, a in TWO_FORWARDS]
+)
 def test_two_forwards_one_backward_match_torch(run, raf, ac) -> None:
-    _checked(run, f"two_forwards-{_raf_id(raf)}-ac={ac}")
+    checked(run, f"two_forwards-{_raf_id(raf)}-ac={ac}")
 
 
 @pytest.mark.parametrize("direction,count", PREFETCH, ids=[f"{d}-{c}" for d, c in PREFETCH])
 def test_explicit_prefetch_matches_torch(run, direction, count) -> None:
-    _checked(run, f"{direction}_prefetch-{count}")
+    checked(run, f"{direction}_prefetch-{count}")
 
 
 def test_backward_misprefetch_matches_torch(run) -> None:
-    _checked(run, "misprefetch")
+    checked(run, "misprefetch")
 
 
 @pytest.mark.parametrize("explicit", [False, True], ids=lambda e: f"explicit={e}")
 def test_backward_prefetch_inside_activation_checkpointing_matches_torch(run, explicit) -> None:
-    _checked(run, f"prefetch_inside_ac-explicit={explicit}")
+    checked(run, f"prefetch_inside_ac-explicit={explicit}")
 
 
 def test_list_groups_backward_prefetch_matches_torch(run) -> None:
-    _checked(run, "list_groups")
+    checked(run, "list_groups")
 
 
 def test_list_groups_with_a_module_that_never_runs_match_torch(run) -> None:
-    for rank, (ours, _) in enumerate(_checked(run, "list_group_unused")):
+    for rank, (ours, _) in enumerate(checked(run, "list_group_unused")):
         assert all(r["grads"]["0.unused.weight"] is None for r in ours), f"rank {rank}"
 
 
 def test_unshard_called_in_forward_matches_torch(run) -> None:
-    _checked(run, "user_unshard")
+    checked(run, "user_unshard")
 
 
 @pytest.mark.parametrize("paramless", [False, True], ids=lambda p: f"paramless_root={p}")
 def test_unshard_before_the_first_forward_matches_torch(run, paramless) -> None:
-    _checked(run, f"unshard_first-paramless_root={paramless}")
+    checked(run, f"unshard_first-paramless_root={paramless}")

@@ -56,23 +56,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
 
-from tests._harness import run_distributed
 from tests.runtime.scenarios._blocks import DIM, SEQ, VOCAB, Block, Stack, TokenModel
 from tests.runtime.scenarios._side_by_side import (
     Side,
-    assert_pairs_same,
-    assert_trained,
+    cases_fixture,
+    checked,
     local,
     local_grads,
     local_shards,
     rank_input,
     rank_tokens,
-    run_cases,
-    side_records,
     train,
 )
 
-WORLD_SIZE = 2
 ROWS, STEPS = 4, 3
 
 
@@ -92,7 +88,9 @@ SINGLE_GROUP = [((16, 15), (15, 8), False), ((7, 15), (15, 3), False), ((16, 17)
 SINGLE_GROUP += [((32, 16), (16, 8), True)]
 
 
-def _single_group(side: Side, mesh: DeviceMesh, first: tuple, second: tuple, largest: bool) -> list[dict]:
+def _single_group(
+    side: Side, mesh: DeviceMesh, first: tuple, second: tuple, largest: bool
+) -> list[dict]:
     torch.manual_seed(42)
     model = nn.Sequential(nn.Linear(*first), nn.ReLU(), nn.Linear(*second))
     side.fully_shard(model, mesh=mesh, shard_placement_fn=_largest_dim if largest else None)
@@ -169,7 +167,9 @@ def _non_root(side: Side, mesh: DeviceMesh) -> list[dict]:
     return train(model, 2 * STEPS, loss)
 
 
-def _one_f_one_b(side: Side, mesh: DeviceMesh, explicit_unshard: bool, reshard_after_backward: bool) -> list[dict]:
+def _one_f_one_b(
+    side: Side, mesh: DeviceMesh, explicit_unshard: bool, reshard_after_backward: bool
+) -> list[dict]:
     model = _sharded_stack(side, mesh, reshard_after_forward=False)
     micro_batches = 3
 
@@ -273,15 +273,24 @@ def _layer_by_layer(side: Side, mesh: DeviceMesh) -> list[dict]:
 def _contiguous(side: Side, mesh: DeviceMesh) -> dict:
     torch.manual_seed(42)
     model = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.ReLU(), nn.Linear(2 * DIM, DIM))
-    on_dim1 = lambda p: Shard(1) if p.ndim > 1 else Shard(0)  # noqa: E731
+
+    def on_dim1(param: nn.Parameter) -> Shard:
+        return Shard(1) if param.ndim > 1 else Shard(0)
+
     for module in (model[0], model[2], model):
         side.fully_shard(module, mesh=mesh, shard_placement_fn=on_dim1)
     seen: list = []
     for linear in (model[0], model[2]):
-        linear.register_forward_pre_hook(lambda m, _: seen.append([p.is_contiguous() for p in m.parameters()]))
+        linear.register_forward_pre_hook(
+            lambda m, _: seen.append([p.is_contiguous() for p in m.parameters()])
+        )
     steps = train(model, STEPS, lambda step: model(rank_input(step, ROWS, DIM)).sum())
     flags = [
-        (p.is_contiguous(), p.to_local().is_contiguous(), p.grad is None or p.grad.to_local().is_contiguous())
+        (
+            p.is_contiguous(),
+            p.to_local().is_contiguous(),
+            p.grad is None or p.grad.to_local().is_contiguous(),
+        )
         for p in model.parameters()
     ]
     return {"steps": steps, "unsharded_contiguous": seen, "sharded_contiguous": flags}
@@ -299,8 +308,12 @@ def _clip(side: Side, mesh: DeviceMesh, norm_type: float) -> list[dict]:
     for step in range(STEPS):
         model(rank_input(step, ROWS, DIM)).sum().backward()
         before = local_grads(model)
-        total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5, norm_type=norm_type)
-        steps.append({"grads_before": before, "total_norm": local(total), "grads": local_grads(model)})
+        total = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), max_norm=0.5, norm_type=norm_type
+        )
+        steps.append(
+            {"grads_before": before, "total_norm": local(total), "grads": local_grads(model)}
+        )
         optim.step()
         optim.zero_grad()
         steps[-1]["shards"] = local_shards(model)
@@ -346,10 +359,27 @@ def _ddp_ignored(side: Side, mesh: DeviceMesh) -> list[dict]:
 # The spawn
 # ---------------------------------------------------------------------------
 
-AC = [(raf, how, g) for raf in (True, False) for how in ("composable", "utils", "wrapper") for g in ("block", "mem_eff", "mem_eff_tied")]
+AC = [
+    (raf, how, g)
+    for raf in (True, False)
+    for how in ("composable", "utils", "wrapper")
+    for g in ("block", "mem_eff", "mem_eff_tied")
+]
 DPO = [(raf, how) for raf in (True, False) for how in ("composable", "utils")]
 ONE_F_ONE_B = [(explicit, rab) for explicit in (False, True) for rab in (False, True)]
 NORM_TYPES = (2.0, 1.0, float("inf"))
+
+
+def _ac_id(raf: bool, how: str, grouping: str) -> str:
+    return f"ac-raf={raf}-{how}-{grouping}"
+
+
+def _dpo_id(raf: bool, how: str) -> str:
+    return f"dpo-raf={raf}-{how}"
+
+
+def _1f1b_id(explicit: bool, rab: bool) -> str:
+    return f"one_f_one_b-explicit_unshard={explicit}-rab={rab}"
 
 
 def _single_id(first: tuple, second: tuple, largest: bool) -> str:
@@ -367,11 +397,11 @@ CASES: dict[str, Callable[[Side, DeviceMesh], Any]] = {
 for _case in SINGLE_GROUP:
     CASES[_single_id(*_case)] = lambda s, m, c=_case: _single_group(s, m, *c)
 for _case in AC:
-    CASES["ac-raf={}-{}-{}".format(*_case)] = lambda s, m, c=_case: _ac(s, m, *c)
+    CASES[_ac_id(*_case)] = lambda s, m, c=_case: _ac(s, m, *c)
 for _case in DPO:
-    CASES["dpo-raf={}-{}".format(*_case)] = lambda s, m, c=_case: _dpo(s, m, *c)
+    CASES[_dpo_id(*_case)] = lambda s, m, c=_case: _dpo(s, m, *c)
 for _case in ONE_F_ONE_B:
-    CASES["one_f_one_b-explicit_unshard={}-rab={}".format(*_case)] = lambda s, m, c=_case: _one_f_one_b(s, m, *c)
+    CASES[_1f1b_id(*_case)] = lambda s, m, c=_case: _one_f_one_b(s, m, *c)
 for _raf in (True, False):
     for _ac_on in (False, True):
         CASES[f"tied-raf={_raf}-ac={_ac_on}"] = lambda s, m, r=_raf, a=_ac_on: _tied(s, m, r, a)
@@ -380,89 +410,85 @@ for _norm in NORM_TYPES:
     CASES[f"clip-{_norm}"] = lambda s, m, n=_norm: _clip(s, m, n)
 
 
-def _run(rank: int, world_size: int, fsdp_impl: str) -> dict[str, Any]:
-    return run_cases(fsdp_impl, CASES)
+run = cases_fixture(__name__)
 
 
-@pytest.fixture(scope="module")
-def run(fsdp_impl: str) -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=300.0)
-
-
-def _checked(run: list, case: str) -> list[tuple[Any, Any]]:
-    pairs = side_records(run, case)
-    assert_pairs_same(pairs)
-    for rank, (ours, _) in enumerate(pairs):
-        assert_trained(ours["steps"] if isinstance(ours, dict) else ours, f"rank {rank}")
-    return pairs
-
-
-@pytest.mark.parametrize("first,second,largest", SINGLE_GROUP, ids=[_single_id(*c).split("-", 1)[1] for c in SINGLE_GROUP])
+@pytest.mark.parametrize(
+    "first,second,largest",
+    SINGLE_GROUP,
+    ids=[_single_id(*c).split("-", 1)[1] for c in SINGLE_GROUP],
+)
 def test_single_group_matches_torch(run, first, second, largest) -> None:
-    _checked(run, _single_id(first, second, largest))
+    checked(run, _single_id(first, second, largest))
 
 
-@pytest.mark.parametrize("raf,how,grouping", AC, ids=["raf={}-{}-{}".format(*c) for c in AC])
+@pytest.mark.parametrize("raf,how,grouping", AC, ids=[_ac_id(*c).removeprefix("ac-") for c in AC])
 def test_activation_checkpointing_and_groupings_match_torch(run, raf, how, grouping) -> None:
-    for ours, _ in _checked(run, "ac-raf={}-{}-{}".format(raf, how, grouping)):
+    for ours, _ in checked(run, _ac_id(raf, how, grouping)):
         assert all(g is not None for g in ours[0]["grads"].values())
 
 
-@pytest.mark.parametrize("raf,how", DPO, ids=["raf={}-{}".format(*c) for c in DPO])
+@pytest.mark.parametrize("raf,how", DPO, ids=[_dpo_id(*c).removeprefix("dpo-") for c in DPO])
 def test_two_forwards_with_nested_groups_and_checkpointing_match_torch(run, raf, how) -> None:
-    _checked(run, "dpo-raf={}-{}".format(raf, how))
+    checked(run, _dpo_id(raf, how))
 
 
 def test_forward_and_backward_through_a_non_root_match_torch(run) -> None:
-    for ours, _ in _checked(run, "non_root"):
+    for ours, _ in checked(run, "non_root"):
         # The non-root steps give grads to block 0 only (the rest keep zeros or None).
         assert ours[1]["grads"]["blocks.0.ff.w1.weight"] is not None
 
 
-@pytest.mark.parametrize("explicit,rab", ONE_F_ONE_B, ids=["explicit_unshard={}-rab={}".format(*c) for c in ONE_F_ONE_B])
+@pytest.mark.parametrize(
+    "explicit,rab",
+    ONE_F_ONE_B,
+    ids=[_1f1b_id(*c).removeprefix("one_f_one_b-") for c in ONE_F_ONE_B],
+)
 def test_micro_batches_with_sync_on_the_last_match_torch(run, explicit, rab) -> None:
-    _checked(run, "one_f_one_b-explicit_unshard={}-rab={}".format(explicit, rab))
+    checked(run, _1f1b_id(explicit, rab))
 
 
 def test_registered_forward_method_matches_torch(run) -> None:
-    _checked(run, "forward_method")
+    checked(run, "forward_method")
 
 
 @pytest.mark.parametrize("ac", [False, True], ids=lambda a: f"ac={a}")
 @pytest.mark.parametrize("raf", [True, False], ids=lambda r: f"raf={r}")
 def test_tied_embedding_and_output_match_torch(run, raf, ac) -> None:
-    _checked(run, f"tied-raf={raf}-ac={ac}")
+    checked(run, f"tied-raf={raf}-ac={ac}")
 
 
 @pytest.mark.parametrize("raf", [True, False], ids=lambda r: f"raf={r}")
 def test_tied_weight_sharded_unevenly_trains_every_row_like_torch(run, raf) -> None:
-    for ours, _ in _checked(run, f"tied_uneven-raf={raf}"):
+    for ours, _ in checked(run, f"tied_uneven-raf={raf}"):
         assert all(ours["rows_changed"]), ours["rows_changed"]
 
 
 def test_blocks_sharded_one_at_a_time_match_torch(run) -> None:
-    _checked(run, "layer_by_layer")
+    checked(run, "layer_by_layer")
 
 
 def test_dim1_shards_and_their_grads_stay_contiguous_like_torch(run) -> None:
-    for ours, _ in _checked(run, "contiguous"):
+    for ours, _ in checked(run, "contiguous"):
         assert all(all(flags) for flags in ours["unsharded_contiguous"])
         assert all(all(flags) for flags in ours["sharded_contiguous"])
 
 
 def test_cpu_offload_matches_torch(run) -> None:
-    _checked(run, "cpu_offload")
+    checked(run, "cpu_offload")
 
 
 @pytest.mark.parametrize("norm_type", NORM_TYPES, ids=str)
 def test_torch_clip_grad_norm_on_sharded_grads_matches_torch(run, norm_type) -> None:
-    for ours, _ in _checked(run, f"clip-{norm_type}"):
+    for ours, _ in checked(run, f"clip-{norm_type}"):
         for step in ours:
             assert step["total_norm"] > 0.5  # clipping fired
-            assert any(not torch.equal(step["grads"][n], g) for n, g in step["grads_before"].items())
+            assert any(
+                not torch.equal(step["grads"][n], g) for n, g in step["grads_before"].items()
+            )
 
 
 def test_ddp_over_a_sharded_part_with_ignored_params_matches_torch(run) -> None:
-    for ours, _ in _checked(run, "ddp_ignored"):
+    for ours, _ in checked(run, "ddp_ignored"):
         # DDP's params (offset, c's) are plain tensors, FSDP's sharded; every one trains.
         assert all(g is not None for g in ours[0]["grads"].values())

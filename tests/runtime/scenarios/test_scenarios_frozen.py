@@ -33,21 +33,17 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 
 from tests._c10d import bytes_of
-from tests._harness import run_distributed
 from tests.runtime.scenarios._side_by_side import (
     Side,
-    assert_pairs_same,
-    assert_trained,
+    cases_fixture,
+    checked,
     known_difference,
     local_grads,
     local_shards,
     rank_input,
-    run_cases,
-    side_records,
     train,
 )
 
-WORLD_SIZE = 2
 DIM, ROWS, STEPS = 8, 4, 3
 RESHARD = (True, False, 1)
 
@@ -206,21 +202,7 @@ for _raf in RESHARD:
     CASES[f"frozen_first-{_raf_id(_raf)}"] = lambda s, m, r=_raf: _frozen_first(s, m, r)
 
 
-def _run(rank: int, world_size: int, fsdp_impl: str) -> dict[str, Any]:
-    return run_cases(fsdp_impl, CASES)
-
-
-@pytest.fixture(scope="module")
-def run(fsdp_impl: str) -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=300.0)
-
-
-def _checked(run: list, case: str) -> list[tuple[Any, Any]]:
-    pairs = side_records(run, case)
-    assert_pairs_same(pairs)
-    for rank, (ours, _) in enumerate(pairs):
-        assert_trained(ours, f"rank {rank}")
-    return pairs
+run = cases_fixture(__name__)
 
 
 # Each Block's trainable biases: up.bias (2 * DIM) and down.bias (DIM) fp32 elements,
@@ -232,10 +214,12 @@ BIAS_BYTES = (2 * DIM + DIM) * 4
     "raf,ac,after", PER_GROUP, ids=[_per_group_id(*c).removeprefix("per_group-") for c in PER_GROUP]
 )
 def test_frozen_weights_with_trainable_biases_in_one_group_match_torch(run, raf, ac, after) -> None:
-    for rank, (ours, _) in enumerate(_checked(run, _per_group_id(raf, ac, after))):
+    for rank, (ours, _) in enumerate(checked(run, _per_group_id(raf, ac, after))):
         for step, record in enumerate(ours):
             assert all(g is None for n, g in record["grads"].items() if "bias" not in n)
-            reductions = [nbytes for kind, nbytes in record["collectives"] if kind == "reduce_scatter"]
+            reductions = [
+                nbytes for kind, nbytes in record["collectives"] if kind == "reduce_scatter"
+            ]
             assert reductions == [BIAS_BYTES] * 3, f"rank {rank} step {step}: {reductions}"
             assert bytes_of(record["collectives"], "reduce_scatter") == 3 * BIAS_BYTES
 
@@ -260,7 +244,7 @@ def _across_param(raf: bool | int, unfreeze: bool, rooted: bool) -> Any:
 
 @pytest.mark.parametrize("raf,unfreeze,rooted", [_across_param(*c) for c in ACROSS])
 def test_frozen_groups_between_trainable_ones_match_torch(run, raf, unfreeze, rooted) -> None:
-    for rank, (ours, _) in enumerate(_checked(run, _across_id(raf, unfreeze, rooted))):
+    for rank, (ours, _) in enumerate(checked(run, _across_id(raf, unfreeze, rooted))):
         frozen_grad = ours[-1]["grads"]["0.weight"]
         assert (frozen_grad is not None) == unfreeze, f"rank {rank}"
 
@@ -271,13 +255,13 @@ def _raf_param(raf: bool | int, difference: pytest.MarkDecorator) -> Any:
 
 @pytest.mark.parametrize("raf", [_raf_param(r, UNREACHED_GROUP_DIFFERENCE) for r in RESHARD])
 def test_groups_frozen_midway_match_torch(run, raf) -> None:
-    for rank, (ours, _) in enumerate(_checked(run, f"freeze_midway-{_raf_id(raf)}")):
+    for rank, (ours, _) in enumerate(checked(run, f"freeze_midway-{_raf_id(raf)}")):
         assert ours[1]["grads"]["0.weight"] is not None, f"rank {rank}"
 
 
 @pytest.mark.parametrize("raf", RESHARD, ids=_raf_id)
 def test_frozen_and_trainable_modules_run_several_times_match_torch(run, raf) -> None:
-    for rank, (ours, _) in enumerate(_checked(run, f"reused_mixed-{_raf_id(raf)}")):
+    for rank, (ours, _) in enumerate(checked(run, f"reused_mixed-{_raf_id(raf)}")):
         assert all(step["grads"]["frozen.weight"] is None for step in ours), f"rank {rank}"
 
 
@@ -298,5 +282,5 @@ def test_frozen_and_trainable_modules_run_several_times_match_torch(run, raf) ->
     ],
 )
 def test_registered_params_after_backward_and_their_updates_match_torch(run, raf) -> None:
-    for rank, (ours, _) in enumerate(_checked(run, f"frozen_first-{_raf_id(raf)}")):
+    for rank, (ours, _) in enumerate(checked(run, f"frozen_first-{_raf_id(raf)}")):
         assert all(kind == "DTensor" for kind, _ in ours[0]["registered"].values()), f"rank {rank}"

@@ -32,19 +32,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from tests._harness import run_distributed
 from tests.runtime.scenarios._side_by_side import (
     Side,
-    assert_pairs_same,
-    assert_trained,
+    cases_fixture,
+    checked,
     local_shards,
     rank_input,
-    run_cases,
-    side_records,
     train,
 )
 
-WORLD_SIZE = 2
 ROWS, STEPS = 4, 3
 
 
@@ -171,48 +167,34 @@ for _cls in (DictWithForward, ListWithForward):
     CASES[f"container_forward-{_cls.__name__}"] = lambda s, m, c=_cls: _container_forward(s, m, c)
 
 
-def _run(rank: int, world_size: int, fsdp_impl: str) -> dict[str, Any]:
-    return run_cases(fsdp_impl, CASES)
-
-
-@pytest.fixture(scope="module")
-def run(fsdp_impl: str) -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=300.0)
-
-
-def _checked(run: list, case: str) -> list[tuple[Any, Any]]:
-    pairs = side_records(run, case)
-    assert_pairs_same(pairs)
-    for rank, (ours, _) in enumerate(pairs):
-        assert_trained(ours["steps"], f"rank {rank}")
-    return pairs
+run = cases_fixture(__name__)
 
 
 @pytest.mark.parametrize("dim,bf16", META, ids=[f"dim={d}-bf16={b}" for d, b in META])
 def test_meta_device_init_then_training_matches_torch(run, dim, bf16) -> None:
-    pairs = _checked(run, f"meta-dim={dim}-bf16={bf16}")
+    pairs = checked(run, f"meta-dim={dim}-bf16={bf16}")
     if dim == 1:  # rank 1 holds empty shards of the 1-row weights, and trains nothing
         assert all(t.numel() == 0 for t in pairs[1][0]["at_init"].values())
 
 
 def test_module_shared_by_two_parents_matches_torch(run) -> None:
-    _checked(run, "shared_module")
+    checked(run, "shared_module")
 
 
 def test_mesh_from_a_process_group_matches_torch(run) -> None:
-    _checked(run, "from_group")
+    checked(run, "from_group")
 
 
 def test_negative_shard_dim_matches_torch(run) -> None:
-    for ours, _ in _checked(run, "shard_dim_neg1"):
+    for ours, _ in checked(run, "shard_dim_neg1"):
         assert all("Shard(dim=1)" in p or "Shard(dim=0)" in p for p in ours["placements"].values())
 
 
 def test_frozen_bf16_param_beside_fp32_ones_matches_torch(run) -> None:
-    for ours, _ in _checked(run, "mixed_dtypes"):
+    for ours, _ in checked(run, "mixed_dtypes"):
         assert all(step["grads"]["frozen"] is None for step in ours["steps"])
 
 
 @pytest.mark.parametrize("cls", ["DictWithForward", "ListWithForward"])
 def test_module_dict_and_list_subclasses_with_forward_match_torch(run, cls) -> None:
-    _checked(run, f"container_forward-{cls}")
+    checked(run, f"container_forward-{cls}")

@@ -43,20 +43,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
-from tests._harness import run_distributed
 from tests.runtime.scenarios._side_by_side import (
     Side,
     assert_pairs_same,
     assert_same,
-    assert_trained,
+    cases_fixture,
+    checked,
     known_difference,
     rank_input,
-    run_cases,
     side_records,
     train,
 )
 
-WORLD_SIZE = 2
 DIM, ROWS, STEPS = 8, 4, 3
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -84,11 +82,15 @@ def _blocks(side: Side, mesh: DeviceMesh, policy: Any, **kwargs: Any) -> nn.Sequ
     return model
 
 
-def _compute(side: Side, mesh: DeviceMesh, dtype: torch.dtype, raf: bool | int, largest: bool) -> list[dict]:
+def _compute(
+    side: Side, mesh: DeviceMesh, dtype: torch.dtype, raf: bool | int, largest: bool
+) -> list[dict]:
     policy = side.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=FP32)
     placement = _largest_dim if largest else None
     model = _blocks(side, mesh, policy, reshard_after_forward=raf, shard_placement_fn=placement)
-    return train(model, STEPS, lambda step: model(rank_input(step, ROWS, DIM, dtype=dtype)).float().sum())
+    return train(
+        model, STEPS, lambda step: model(rank_input(step, ROWS, DIM, dtype=dtype)).float().sum()
+    )
 
 
 def _accumulation(side: Side, mesh: DeviceMesh, raf: bool) -> list[dict]:
@@ -139,7 +141,9 @@ class Recording(nn.Linear):
 
 
 def _dtype_steps(model: nn.Module, seen: list, x_dtype: torch.dtype = FP32) -> dict:
-    steps = train(model, 2, lambda step: model(rank_input(step, ROWS, DIM, dtype=x_dtype)).float().sum())
+    steps = train(
+        model, 2, lambda step: model(rank_input(step, ROWS, DIM, dtype=x_dtype)).float().sum()
+    )
     return {"steps": steps, "seen": list(seen)}
 
 
@@ -208,7 +212,9 @@ def _one_submodule(side: Side, mesh: DeviceMesh, how: str) -> dict:
         )
     else:  # c1 computes in fp16 and hands c2 fp32
         side.fully_shard(
-            model.c1, mesh=mesh, mp_policy=policy(param_dtype=FP16, reduce_dtype=FP32, output_dtype=FP32)
+            model.c1,
+            mesh=mesh,
+            mp_policy=policy(param_dtype=FP16, reduce_dtype=FP32, output_dtype=FP32),
         )
     side.fully_shard(model, mesh=mesh)
     return _dtype_steps(model, seen)
@@ -242,7 +248,9 @@ def _external_inputs(side: Side, mesh: DeviceMesh, child_cast: bool) -> dict:
     model = ExternalModel(seen)
     policy = side.MixedPrecisionPolicy
     side.fully_shard(
-        model.l2, mesh=mesh, mp_policy=policy(param_dtype=FP16, reduce_dtype=FP32, cast_forward_inputs=child_cast)
+        model.l2,
+        mesh=mesh,
+        mp_policy=policy(param_dtype=FP16, reduce_dtype=FP32, cast_forward_inputs=child_cast),
     )
     side.fully_shard(model, mesh=mesh, mp_policy=policy(param_dtype=FP16, reduce_dtype=FP32))
     return _dtype_steps(model, seen)
@@ -250,9 +258,15 @@ def _external_inputs(side: Side, mesh: DeviceMesh, child_cast: bool) -> dict:
 
 def _norm_model(kind: str) -> tuple[nn.Sequential, tuple[int, ...]]:
     if kind == "layernorm":
-        return nn.Sequential(nn.Linear(DIM, DIM), nn.LayerNorm(DIM), nn.Linear(DIM, DIM)), (ROWS, DIM)
+        return nn.Sequential(nn.Linear(DIM, DIM), nn.LayerNorm(DIM), nn.Linear(DIM, DIM)), (
+            ROWS,
+            DIM,
+        )
     if kind == "batchnorm1d":
-        return nn.Sequential(nn.Linear(DIM, DIM), nn.BatchNorm1d(DIM), nn.Linear(DIM, DIM)), (ROWS, DIM)
+        return nn.Sequential(nn.Linear(DIM, DIM), nn.BatchNorm1d(DIM), nn.Linear(DIM, DIM)), (
+            ROWS,
+            DIM,
+        )
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 3))
     return model, (3, 1, 7, 7)
 
@@ -262,7 +276,9 @@ def _norms(side: Side, mesh: DeviceMesh, kind: str) -> dict:
     model, shape = _norm_model(kind)
     policy = side.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32)
     if kind == "batchnorm2d_own_policy":  # the norm computes in fp32, hands on bf16
-        side.fully_shard(model[1], mesh=mesh, mp_policy=side.MixedPrecisionPolicy(output_dtype=BF16))
+        side.fully_shard(
+            model[1], mesh=mesh, mp_policy=side.MixedPrecisionPolicy(output_dtype=BF16)
+        )
         children = (model[0], model[2])
     else:
         children = tuple(model)
@@ -298,7 +314,9 @@ class ListGroupModel(nn.Module):
 def _list_group_cast(side: Side, mesh: DeviceMesh) -> dict:
     torch.manual_seed(42)
     model = ListGroupModel()
-    policy = side.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=True)
+    policy = side.MixedPrecisionPolicy(
+        param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=True
+    )
     side.fully_shard([model.a, model.b], mesh=mesh, mp_policy=policy)
     side.fully_shard(model, mesh=mesh, mp_policy=policy)
     dtypes: list = []
@@ -312,7 +330,9 @@ def _list_group_cast(side: Side, mesh: DeviceMesh) -> dict:
 
 
 def _jvp(side: Side, mesh: DeviceMesh) -> dict:
-    policy = side.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=True)
+    policy = side.MixedPrecisionPolicy(
+        param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=True
+    )
     with torch.device("meta"):
         enc, dec = nn.Linear(16, 32, bias=False), nn.Linear(32, 24, bias=False)
     for index, module in enumerate((enc, dec)):  # two roots
@@ -338,8 +358,16 @@ def _raf_id(raf: bool | int) -> str:
     return f"raf={raf}"
 
 
-COMPUTE = [(d, raf, largest) for d in (BF16, FP16) for raf in (True, False, 1) for largest in (False, True)]
-NORMS = ("layernorm", "batchnorm1d", "batchnorm2d", "batchnorm2d_cast_buffers", "batchnorm2d_own_policy")
+COMPUTE = [
+    (d, raf, largest) for d in (BF16, FP16) for raf in (True, False, 1) for largest in (False, True)
+]
+NORMS = (
+    "layernorm",
+    "batchnorm1d",
+    "batchnorm2d",
+    "batchnorm2d_cast_buffers",
+    "batchnorm2d_own_policy",
+)
 ONE_SUBMODULE = ("fsdp_cast", "user_cast", "output_dtype")
 
 
@@ -366,30 +394,20 @@ for _kind in NORMS:
     CASES[f"norms-{_kind}"] = lambda s, m, k=_kind: _norms(s, m, k)
 
 
-def _run(rank: int, world_size: int, fsdp_impl: str) -> dict[str, Any]:
-    return run_cases(fsdp_impl, CASES)
-
-
-@pytest.fixture(scope="module")
-def run(fsdp_impl: str) -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=300.0)
-
-
-def _checked(run: list, case: str) -> list[tuple[Any, Any]]:
-    pairs = side_records(run, case)
-    assert_pairs_same(pairs)
-    for rank, (ours, _) in enumerate(pairs):
-        assert_trained(ours["steps"] if isinstance(ours, dict) else ours, f"rank {rank}")
-    return pairs
+run = cases_fixture(__name__)
 
 
 def _reduce_bytes(steps: list[dict]) -> set[int]:
-    return {nbytes for step in steps for kind, nbytes in step["collectives"] if kind == "reduce_scatter"}
+    return {
+        nbytes for step in steps for kind, nbytes in step["collectives"] if kind == "reduce_scatter"
+    }
 
 
-@pytest.mark.parametrize("dtype,raf,largest", COMPUTE, ids=[_compute_id(*c).removeprefix("compute-") for c in COMPUTE])
+@pytest.mark.parametrize(
+    "dtype,raf,largest", COMPUTE, ids=[_compute_id(*c).removeprefix("compute-") for c in COMPUTE]
+)
 def test_low_precision_compute_with_fp32_reduction_matches_torch(run, dtype, raf, largest) -> None:
-    for ours, _ in _checked(run, _compute_id(dtype, raf, largest)):
+    for ours, _ in checked(run, _compute_id(dtype, raf, largest)):
         # A block's fp32 reduce-scatter input: (4*D*D + 4*D) + (4*D*D + D) elements.
         assert _reduce_bytes(ours) == {(8 * DIM * DIM + 5 * DIM) * 4}
         assert all(g.dtype == FP32 for step in ours for g in step["grads"].values())
@@ -397,7 +415,7 @@ def test_low_precision_compute_with_fp32_reduction_matches_torch(run, dtype, raf
 
 @pytest.mark.parametrize("raf", [True, False], ids=_raf_id)
 def test_accumulation_with_fp32_reduction_matches_torch(run, raf) -> None:
-    _checked(run, f"accumulation-{_raf_id(raf)}")
+    checked(run, f"accumulation-{_raf_id(raf)}")
 
 
 def test_bf16_model_cast_to_fp32_keeps_a_bf16_reduction_like_torch(run) -> None:
@@ -411,7 +429,9 @@ def test_bf16_model_cast_to_fp32_keeps_a_bf16_reduction_like_torch(run) -> None:
             # Each is one bf16 rounding of the exact mean, so they differ by at most
             # one bf16 ulp (2**-8 relative) wherever they differ.
             for name, grad in mine["grads"].items():
-                torch.testing.assert_close(grad, torchs["grads"][name], rtol=2**-8, atol=0, msg=where)
+                torch.testing.assert_close(
+                    grad, torchs["grads"][name], rtol=2**-8, atol=0, msg=where
+                )
             if step == 0:  # the same params: the same forward
                 assert_same(mine["loss"], torchs["loss"], where)
 
@@ -428,19 +448,19 @@ RECOMPUTE_INPUT_DIFFERENCE = known_difference(
     "what", [pytest.param("input", marks=RECOMPUTE_INPUT_DIFFERENCE), "output"]
 )
 def test_recomputation_casts_like_the_first_forward_like_torch(run, what) -> None:
-    for ours, _ in _checked(run, f"recompute_casts-{what}"):
+    for ours, _ in checked(run, f"recompute_casts-{what}"):
         # Per step: the input dtype, the output dtype, then the same in recomputation.
         assert ours["seen"] == ours["seen"][:2] * 4, ours["seen"]
 
 
 @pytest.mark.parametrize("how", ONE_SUBMODULE)
 def test_fp16_on_one_submodule_matches_torch(run, how) -> None:
-    _checked(run, f"one_submodule-{how}")
+    checked(run, f"one_submodule-{how}")
 
 
 @pytest.mark.parametrize("child_cast", [False, True], ids=lambda c: f"child_cast={c}")
 def test_submodule_with_an_external_input_matches_torch(run, child_cast) -> None:
-    _checked(run, f"external_inputs-child_cast={child_cast}")
+    checked(run, f"external_inputs-child_cast={child_cast}")
 
 
 @pytest.mark.parametrize("kind", NORMS)
@@ -454,7 +474,7 @@ def test_norm_modules_under_bf16_match_torch(run, kind) -> None:
 
 
 def test_list_group_casts_each_modules_inputs_like_torch(run) -> None:
-    for ours, _ in _checked(run, "list_group_cast"):
+    for ours, _ in checked(run, "list_group_cast"):
         assert set(ours["out_dtypes"]) == {"torch.bfloat16"}
 
 

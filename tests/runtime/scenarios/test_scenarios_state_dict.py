@@ -27,20 +27,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tests._harness import run_distributed
 from tests.runtime.scenarios._side_by_side import (
     Side,
-    assert_pairs_same,
-    assert_trained,
+    cases_fixture,
+    checked,
     local,
     local_shards,
     rank_input,
-    run_cases,
-    side_records,
     train,
 )
 
-WORLD_SIZE = 2
 ROWS = 4
 
 
@@ -144,26 +140,12 @@ for _offload in (False, True):
     CASES[f"meta_pieces-offload={_offload}"] = lambda s, m, o=_offload: _meta_pieces(s, m, o)
 
 
-def _run(rank: int, world_size: int, fsdp_impl: str) -> dict[str, Any]:
-    return run_cases(fsdp_impl, CASES)
-
-
-@pytest.fixture(scope="module")
-def run(fsdp_impl: str) -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=300.0)
-
-
-def _checked(run: list, case: str) -> list[tuple[Any, Any]]:
-    pairs = side_records(run, case)
-    assert_pairs_same(pairs)
-    for rank, (ours, _) in enumerate(pairs):
-        assert_trained(ours["steps"], f"rank {rank}")
-    return pairs
+run = cases_fixture(__name__)
 
 
 @pytest.mark.parametrize("dim,raf", SAVE_LOAD, ids=[f"dim={d}-raf={r}" for d, r in SAVE_LOAD])
 def test_state_dict_save_and_load_match_torch(run, dim, raf) -> None:
-    for ours, _ in _checked(run, f"save_load-dim={dim}-raf={raf}"):
+    for ours, _ in checked(run, f"save_load-dim={dim}-raf={raf}"):
         # Saved values are views of the sharded params; the load wrote into them.
         assert all(aliased for *_, aliased in ours["saved"].values())
         first = next(iter(ours["loaded"].values()))[0]
@@ -172,10 +154,10 @@ def test_state_dict_save_and_load_match_torch(run, dim, raf) -> None:
 
 @pytest.mark.parametrize("dim", [2, 3], ids=lambda d: f"dim={d}")
 def test_state_dict_taken_once_tracks_the_steps_like_torch(run, dim) -> None:
-    for ours, _ in _checked(run, f"cached-dim={dim}"):
+    for ours, _ in checked(run, f"cached-dim={dim}"):
         assert torch.equal(ours["cached"], ours["param"])
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=lambda o: f"offload={o}")
 def test_meta_model_loaded_piece_by_piece_matches_torch(run, offload) -> None:
-    _checked(run, f"meta_pieces-offload={offload}")
+    checked(run, f"meta_pieces-offload={offload}")
