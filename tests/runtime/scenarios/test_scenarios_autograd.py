@@ -359,24 +359,9 @@ def test_unused_forward_module_matches_torch(run, raf) -> None:
         assert all(step["grads"]["b.weight"] is None for step in ours), f"rank {rank}"
 
 
-# Found by these cases (issue 37's guard): ours flattens forward inputs and outputs with
-# torch.utils._pytree, which does not look inside dataclasses; torch's FSDP2 does
-# (collect_grad_tensors, _apply_to_tensors).
-DATACLASS_DIFFERENCE = known_difference(
-    "a dataclass activation gets no pre-backward hook and no post-backward node in ours: "
-    "with reshard_after_forward=True the backward reads freed unsharded storage "
-    "(RuntimeError: setStorage ... out of bounds for storage of size 0); with False the "
-    "blocks' sharded params get no grad at all (None where torch's has the reduced grad) "
-    "and stay registered unsharded, so the optimizer silently skips them"
+@pytest.mark.parametrize(
+    "kind,raf,bf16", CONTAINER_CASES, ids=[_container_id(*c) for c in CONTAINER_CASES]
 )
-
-
-def _container_param(kind: str, raf: bool, bf16: bool) -> Any:
-    marks = [DATACLASS_DIFFERENCE] if "dataclass" in kind else []
-    return pytest.param(kind, raf, bf16, marks=marks, id=_container_id(kind, raf, bf16))
-
-
-@pytest.mark.parametrize("kind,raf,bf16", [_container_param(*c) for c in CONTAINER_CASES])
 def test_activations_in_containers_match_torch(run, kind, raf, bf16) -> None:
     for rank, (ours, _) in enumerate(checked(run, _container_id(kind, raf, bf16))):
         # Every block's two Linears get grads: no container field loses its hook.
@@ -430,23 +415,7 @@ def test_two_backwards_of_one_forward_collectives_match_torch(run, raf) -> None:
             assert mine["collectives"] == torchs["collectives"], f"rank {rank} step {step}"
 
 
-@pytest.mark.parametrize(
-    "raf",
-    [
-        pytest.param(True, id=_raf_id(True)),
-        pytest.param(
-            False,
-            id=_raf_id(False),
-            marks=known_difference(
-                "between the two backwards, a (whose backward has not run) is still "
-                "registered unsharded in ours (raf=False), so model.named_parameters() "
-                "shows a plain tensor without the grad accumulated so far (None); torch's "
-                "resharded it and shows the sharded grad (the optimizer's params hold "
-                "the same grads on both)"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("raf", [True, False], ids=_raf_id)
 def test_grads_between_two_backwards_are_registered_like_torch(run, raf) -> None:
     for rank, (ours, theirs) in enumerate(side_records(run, f"retain_graph-{_raf_id(raf)}")):
         for step, (mine, torchs) in enumerate(zip(ours, theirs, strict=True)):
@@ -458,14 +427,6 @@ def test_eval_forwards_between_steps_match_torch(run, raf) -> None:
     checked(run, f"eval_between-{_raf_id(raf)}")
 
 
-@known_difference(
-    "silently wrong training: with reshard_after_forward=False, a group whose module ran "
-    "but whose output is dropped, its weight used by the root directly, gets no "
-    "post-backward in ours: its grad stays on the unsharded param, unreduced (torch's "
-    "end-of-backward callback runs post_backward for every group not in POST_BACKWARD "
-    "and reduce-scatters it: one more reduce-scatter of 256 B per step), the group stays "
-    "unsharded, its sharded params get no grad and never train; losses differ from step 1"
-)
 def test_weight_used_outside_its_module_matches_torch(run) -> None:
     for rank, (ours, _) in enumerate(checked(run, "weight_outside")):
         assert all(step["grads"]["aux.weight"] is not None for step in ours), f"rank {rank}"

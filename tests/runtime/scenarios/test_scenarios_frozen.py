@@ -37,7 +37,6 @@ from tests.runtime.scenarios._side_by_side import (
     Side,
     cases_fixture,
     checked,
-    known_difference,
     local_grads,
     local_shards,
     rank_input,
@@ -224,21 +223,9 @@ def test_frozen_weights_with_trainable_biases_in_one_group_match_torch(run, raf,
             assert bytes_of(record["collectives"], "reduce_scatter") == 3 * BIAS_BYTES
 
 
-# Found by these cases: with reshard_after_forward False (or an int), a group that no
-# gradient reaches in a backward (a frozen first layer: its output needs no grad, so no
-# hook fires in its backward) stays unsharded after the backward in ours; torch's final
-# callback reshards every group.
-UNREACHED_GROUP_DIFFERENCE = known_difference(
-    "a group no gradient reaches (frozen first Linear) stays registered unsharded after "
-    "backward in ours with reshard_after_forward False or 1: model.parameters() yields "
-    "its full plain tensors (no .grad) where torch's yields the resharded DTensors"
-)
-
-
 def _across_param(raf: bool | int, unfreeze: bool, rooted: bool) -> Any:
-    marks = [UNREACHED_GROUP_DIFFERENCE] if rooted and raf is False else []
     return pytest.param(
-        raf, unfreeze, rooted, marks=marks, id=_across_id(raf, unfreeze, rooted).split("-", 1)[1]
+        raf, unfreeze, rooted, id=_across_id(raf, unfreeze, rooted).split("-", 1)[1]
     )
 
 
@@ -249,11 +236,7 @@ def test_frozen_groups_between_trainable_ones_match_torch(run, raf, unfreeze, ro
         assert (frozen_grad is not None) == unfreeze, f"rank {rank}"
 
 
-def _raf_param(raf: bool | int, difference: pytest.MarkDecorator) -> Any:
-    return pytest.param(raf, id=_raf_id(raf), marks=[difference] if raf is not True else [])
-
-
-@pytest.mark.parametrize("raf", [_raf_param(r, UNREACHED_GROUP_DIFFERENCE) for r in RESHARD])
+@pytest.mark.parametrize("raf", RESHARD, ids=_raf_id)
 def test_groups_frozen_midway_match_torch(run, raf) -> None:
     for rank, (ours, _) in enumerate(checked(run, f"freeze_midway-{_raf_id(raf)}")):
         assert ours[1]["grads"]["0.weight"] is not None, f"rank {rank}"
@@ -265,22 +248,7 @@ def test_frozen_and_trainable_modules_run_several_times_match_torch(run, raf) ->
         assert all(step["grads"]["frozen.weight"] is None for step in ours), f"rank {rank}"
 
 
-@pytest.mark.parametrize(
-    "raf",
-    [
-        _raf_param(
-            r,
-            known_difference(
-                "the frozen first group stays registered unsharded after backward in ours "
-                "(reshard_after_forward False or 1), so an in-place update of "
-                "model.parameters() after the step lands in the unsharded copy and is "
-                "dropped by reshard(): the next losses and the group's shards differ from "
-                "torch's, whose update lands in the sharded parameters"
-            ),
-        )
-        for r in RESHARD
-    ],
-)
+@pytest.mark.parametrize("raf", RESHARD, ids=_raf_id)
 def test_registered_params_after_backward_and_their_updates_match_torch(run, raf) -> None:
     for rank, (ours, _) in enumerate(checked(run, f"frozen_first-{_raf_id(raf)}")):
         assert all(kind == "DTensor" for kind, _ in ours[0]["registered"].values()), f"rank {rank}"

@@ -49,7 +49,6 @@ from tests.runtime.scenarios._side_by_side import (
     assert_same,
     cases_fixture,
     checked,
-    known_difference,
     rank_input,
     side_records,
     train,
@@ -436,17 +435,7 @@ def test_bf16_model_cast_to_fp32_keeps_a_bf16_reduction_like_torch(run) -> None:
                 assert_same(mine["loss"], torchs["loss"], where)
 
 
-RECOMPUTE_INPUT_DIFFERENCE = known_difference(
-    "ours does not cast a module's forward inputs to param_dtype when activation "
-    "checkpointing recomputes it: the Linear sees bf16 in forward and fp32 in the "
-    "recomputation, and non-reentrant checkpoint raises CheckpointError (recomputed "
-    "metadata differs: dtype torch.float32 vs saved torch.bfloat16); torch casts both times"
-)
-
-
-@pytest.mark.parametrize(
-    "what", [pytest.param("input", marks=RECOMPUTE_INPUT_DIFFERENCE), "output"]
-)
+@pytest.mark.parametrize("what", ["input", "output"])
 def test_recomputation_casts_like_the_first_forward_like_torch(run, what) -> None:
     for ours, _ in checked(run, f"recompute_casts-{what}"):
         # Per step: the input dtype, the output dtype, then the same in recomputation.
