@@ -396,9 +396,9 @@ RETAIN_GRAPH_COLLECTIVES = {
     True: "ours all-gathers the stem (its backward needs no weight: the input needs no "
     "grad) again in the second backward, where torch's reduces it without one: 4 "
     "collectives in that backward (AG, RS, AG, RS), torch's 3 (AG, RS, RS)",
-    False: "torch's final callback of the first (not last) backward reshards every group, "
-    "a included, so its second backward all-gathers a and the stem again (AG, AG, RS, RS); "
-    "ours keeps a unsharded (raf=False) and gathers only the stem (RS, AG, RS)",
+    False: "the second backward re-gathers a and the stem on both, in another order: "
+    "torch's prefetches the stem while a computes (AG, AG, RS, RS), ours gathers it after "
+    "reducing a (AG, RS, AG, RS)",
 }
 
 
