@@ -47,37 +47,46 @@ def iter_tensors(tree: Any) -> Iterator[torch.Tensor]:
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """``tree`` with every tensor ``t`` replaced by ``fn(t)``, visiting containers in
     `iter_tensors`' order. A container is rebuilt (same type; a dataclass through
-    ``dataclasses.replace``) only if something in it changed."""
+    ``dataclasses.replace``) only if a tensor in it was replaced."""
+    return _map(fn, tree)[0]
+
+
+def _map(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> tuple[Any, bool]:
+    """``(mapped tree, whether any tensor in it was replaced)``. Whether something
+    changed is carried up rather than found by comparing containers by identity:
+    dynamo traces ``is`` between tensors but not between tuples (graph mode casts its
+    inputs through this function)."""
     if isinstance(tree, torch.Tensor):
-        return fn(tree)
+        new = fn(tree)
+        return new, new is not tree
     if _is_namedtuple(tree):
-        items = [map_tensors(fn, item) for item in tree]
-        return type(tree)(*items) if _changed(items, tree) else tree
+        items, changed = _map_items(fn, tree)
+        return (type(tree)(*items) if changed else tree), changed
     if _is_dataclass_instance(tree):
         return _map_dataclass(fn, tree)
     if isinstance(tree, dict):
-        values = [map_tensors(fn, value) for value in tree.values()]
-        if not _changed(values, tree.values()):
-            return tree
+        values, changed = _map_items(fn, tree.values())
+        if not changed:
+            return tree, False
         rebuilt = type(tree)()  # dict subclasses (OrderedDict) keep their type
         rebuilt.update(zip(tree.keys(), values))
-        return rebuilt
+        return rebuilt, True
     if isinstance(tree, (list, tuple)):
-        items = [map_tensors(fn, item) for item in tree]
-        return type(tree)(items) if _changed(items, tree) else tree
-    return tree
+        items, changed = _map_items(fn, tree)
+        return (type(tree)(items) if changed else tree), changed
+    return tree, False
 
 
-def _changed(new: list[Any], old: Any) -> bool:
-    return any(a is not b for a, b in zip(new, old, strict=True))
+def _map_items(fn: Callable[[torch.Tensor], torch.Tensor], items: Any) -> tuple[list[Any], bool]:
+    mapped = [_map(fn, item) for item in items]
+    return [value for value, _ in mapped], any(changed for _, changed in mapped)
 
 
-def _map_dataclass(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
+def _map_dataclass(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> tuple[Any, bool]:
     changes = {}
     for field in dataclasses.fields(tree):
-        old = getattr(tree, field.name)
-        new = map_tensors(fn, old)
-        if new is old:
+        new, changed = _map(fn, getattr(tree, field.name))
+        if not changed:
             continue
         if not field.init:
             raise TypeError(
@@ -86,7 +95,7 @@ def _map_dataclass(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any
                 "dataclasses.replace cannot set it; make it an init field"
             )
         changes[field.name] = new
-    return dataclasses.replace(tree, **changes) if changes else tree
+    return (dataclasses.replace(tree, **changes), True) if changes else (tree, False)
 
 
 def grad_tensors(tree: Any) -> list[torch.Tensor]:
