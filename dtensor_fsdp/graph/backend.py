@@ -31,28 +31,41 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .switch import RESHARD_ANNOTATION
+from .gather import RESHARD_ANNOTATION
 
 BACKENDS = ("inductor", "aot_eager")
 _warned: set[str] = set()
 
 
 def mark_reshard(graph: fx.Graph) -> int:
-    """Mark the forward nodes of resharding gathers ``MUST_RECOMPUTE``; returns how many.
-    Forward nodes are those that do not depend on a tangent (a backward input)."""
+    """Mark the forward nodes of resharding gathers ``MUST_RECOMPUTE``, and the views
+    taken of them only (a matmul's transposed weight: saving it would keep the
+    unsharded parameter alive); returns how many. Forward nodes are those that do not
+    depend on a tangent (a backward input)."""
     backward: set[fx.Node] = set()
     for node in graph.nodes:  # topological order: a node's inputs come before it
         if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
             arg in backward for arg in node.all_input_nodes
         ):
             backward.add(node)
-    marked = 0
+    marked: set[fx.Node] = set()
     for node in graph.nodes:
+        if node.op != "call_function" or node in backward:
+            continue
         custom = node.meta.get("custom") or {}
-        if node.op == "call_function" and node not in backward and _is_resharding(custom):
+        if _is_resharding(custom) or _is_view_of(node, marked):
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            marked += 1
-    return marked
+            marked.add(node)
+    return len(marked)
+
+
+def _is_view_of(node: fx.Node, marked: set[fx.Node]) -> bool:
+    inputs = node.all_input_nodes
+    return (
+        bool(inputs)
+        and all(arg in marked for arg in inputs)
+        and getattr(node.target, "is_view", False)
+    )
 
 
 def _is_resharding(custom: dict) -> bool:
@@ -66,7 +79,8 @@ class _MarkReshard(CustomGraphPass):
         mark_reshard(graph)
 
     def uuid(self) -> Any:
-        return hashlib.sha256(inspect.getsource(mark_reshard).encode()).hexdigest()
+        source = inspect.getsource(mark_reshard) + inspect.getsource(_is_view_of)
+        return hashlib.sha256(source.encode()).hexdigest()
 
 
 def graph_backend(

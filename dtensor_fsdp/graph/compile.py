@@ -1,12 +1,15 @@
 """``dtensor_fsdp.compile``: graph mode's entry point."""
 
+import logging
 import statistics
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from .backend import graph_backend, inductor_mode_options
-from .switch import enable_graph_mode, gather_specs
+from .switch import enable_graph_mode, gather_plans
 
 
 def compile(
@@ -37,9 +40,16 @@ def compile(
         fullgraph, mode, options, compile_kwargs: as ``torch.compile``'s (``mode``
             and ``options`` are inductor's: ``mode="reduce-overhead"`` for CUDA graphs).
 
+    Logging calls inside the compiled forward (``logging.Logger``'s ``debug``,
+    ``info``, ``warning``, and Hugging Face's ``warning_once``/``info_once``, which
+    transformers models call in ``forward``) are skipped while dynamo traces
+    (``torch._dynamo.config.ignore_logging_functions``), so they do not stop a
+    ``fullgraph`` compile; their messages are not emitted by the compiled code.
+
     Returns:
         ``model`` itself (compiled with ``nn.Module.compile``: its state-dict keys do
-        not change).
+        not change). ``dtensor_fsdp.disable_graph_mode(model)`` returns it to eager
+        mode, uncompiled.
     """
     inductor_options = {**inductor_mode_options(mode), **(options or {})}
     graph_backend(backend, None, None, inductor_options)  # bad arguments fail before the switch
@@ -51,7 +61,25 @@ def compile(
         fullgraph=fullgraph,
         **compile_kwargs,
     )
+    model._compiled_call_impl = _ignoring_logging(model._compiled_call_impl)
     return model
+
+
+def _ignoring_logging(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` run with the logging calls its frames make ignored by dynamo (the
+    config is read while dynamo traces, at the first call and at recompiles)."""
+    ignored = {
+        method
+        for name in ("debug", "info", "warning", "warning_once", "info_once")
+        if (method := getattr(logging.Logger, name, None)) is not None
+    }
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        config = torch._dynamo.config
+        with config.patch(ignore_logging_functions=ignored | config.ignore_logging_functions):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def default_bucket_mb(model: nn.Module) -> float:
@@ -62,7 +90,7 @@ def default_bucket_mb(model: nn.Module) -> float:
 
     Sizes are all-gather outputs, as torch's passes measure buckets; 1% over two
     typical groups so that two equal ones fit despite float rounding of the cap."""
-    sizes = sorted(spec.all_gather_nbytes for spec in gather_specs(model))
+    sizes = sorted(plan.all_gather_nbytes for plan in gather_plans(model))
     typical = statistics.median_low(sizes)
     smaller = sizes[0] if sizes[0] < typical else 0
     return (2.02 * typical + smaller) / 2**20
