@@ -166,20 +166,18 @@ def _graph_modules(states: list[FSDPState]) -> dict[nn.Module, tuple[str, ...]]:
 
 
 def _check_supported(state: FSDPState) -> None:
-    """Features of the eager runtime graph mode does not have yet: a clear error."""
+    """What graph mode cannot run: a clear error before anything is switched."""
     for group in state.groups:
-        unsupported = {
-            "an all-gather extension (fsdp_pre_all_gather)": any(
-                p.extension is not None for p in group.fsdp_params
-            ),
-        }
-        for feature, used in unsupported.items():
-            if used:
-                raise NotImplementedError(
-                    f"graph mode does not support {feature} yet (fully_shard module "
-                    f"{group.fqn or type(group.modules[0]).__name__!r}): use eager mode "
-                    "for this model, or turn it off"
-                )
+        extended = [p.fqn for p in group.fsdp_params if p.extension is not None]
+        if extended:
+            raise NotImplementedError(
+                f"graph mode does not support all-gather extensions (fsdp_pre_all_gather "
+                f"tensor subclasses: {extended} of fully_shard module "
+                f"{group.fqn or type(group.modules[0]).__name__!r}): AOT autograd traces "
+                "the gradient of a subclass output (torchao's Float8TrainingTensor) as that "
+                "subclass, which the reduction cannot take; use eager mode for this model "
+                "(docs/graph.md)"
+            )
 
 
 def _module_graph(

@@ -197,6 +197,19 @@ def test_graph_mode_needs_the_root(mesh) -> None:
     assert not any(is_graph_mode(m) for m in model.modules())  # nothing half switched
 
 
+def test_all_gather_extensions_are_refused_before_switching(mesh) -> None:
+    """torchao's float8 weights (an all-gather extension): refused with the reason,
+    nothing switched (docs/graph.md)."""
+    float8 = pytest.importorskip("torchao.float8")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+    model = float8.convert_to_float8_training(model, config=config)
+    fully_shard(model, mesh=mesh)
+    with pytest.raises(NotImplementedError, match="all-gather extensions.*AOT autograd"):
+        dtensor_fsdp.enable_graph_mode(model)
+    assert not any(is_graph_mode(m) for m in model.modules())
+
+
 def test_compile_arguments_checked_before_switching(mesh) -> None:
     """``mode``/``options`` are inductor's: refused for another backend, before the
     model is switched."""
