@@ -8,7 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..runtime.observer import Observers
+from ..runtime.state import state_of
+from ..runtime.streams import CommStreams
 from .backend import graph_backend, inductor_mode_options
+from .observed import ObserversOf
 from .switch import enable_graph_mode, gather_plans
 
 
@@ -57,12 +61,40 @@ def compile(
     if bucketing and bucket_mb is None:
         bucket_mb = default_bucket_mb(model)
     model.compile(
-        backend=graph_backend(backend, bucket_mb if bucketing else None, None, inductor_options),
+        backend=graph_backend(
+            backend, bucket_mb if bucketing else None, None, inductor_options, _observers_of(model)
+        ),
         fullgraph=fullgraph,
         **compile_kwargs,
     )
     model._compiled_call_impl = _ignoring_logging(model._compiled_call_impl)
     return model
+
+
+def _observers_of(model: nn.Module) -> ObserversOf:
+    """What each compiled graph's launch tells (graph/observed.py): the observers
+    attached to the root's groups (the flight recorder and the checks are attached to
+    every group of the tree; a ``CommTrace`` set on the root too), read at each launch,
+    with the root's streams and device."""
+    root = state_of(model)
+    assert root is not None and root.ctx is not None  # enable_graph_mode ran lazy init
+
+    # A root without parameters of its own: its tree's groups.
+    groups = root.groups or [g for s in root.states_in_tree for g in s.groups]
+
+    def observers_of() -> tuple[Observers, CommStreams, torch.device]:
+        observers = groups[0].observers if len(groups) == 1 else _union(groups)
+        return observers, root.ctx.streams, root.device
+
+    return observers_of
+
+
+def _union(groups: list[Any]) -> Observers:
+    seen: dict[int, Any] = {}
+    for group in groups:
+        for observer in group.observers:
+            seen.setdefault(id(observer), observer)
+    return tuple(seen.values())
 
 
 def _ignoring_logging(compiled: Callable[..., Any]) -> Callable[..., Any]:

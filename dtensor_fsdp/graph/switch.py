@@ -31,6 +31,7 @@ from ..runtime.state import FSDPState, cast_floating, inputs_to_device, state_of
 from ..runtime.tensor_utils import contiguous_stride
 from .gather import GatherPlan, StepInputs, gather
 from .group_plan import GroupGraph, group_graph
+from .observed import GROUP_ANNOTATION
 
 _GRAPH = "_dtensor_fsdp_graph"  # an FSDP module's __dict__ key: its `ModuleGraph`
 _EAGER_FORWARD = "_dtensor_fsdp_eager_forward"  # an instance ``forward`` found at enable
@@ -313,7 +314,9 @@ def _bind(graph: GroupGraph, session: Session) -> None:
         sync, all_reduce, graph.accumulator, pending, graph.partial, pending_partial,
         graph.residuals,
     )  # fmt: skip
-    unsharded = gather(graph.plan, shards, step)
+    # The observers name a graph's collectives by group (graph/observed.py).
+    with torch.fx.traceback.annotate({GROUP_ANNOTATION: group.fqn}):
+        unsharded = gather(graph.plan, shards, step)
     for param, tensor in zip(graph.params, unsharded, strict=True):
         value = _presented(param.fsdp_param, tensor)
         for module, name in param.slots:

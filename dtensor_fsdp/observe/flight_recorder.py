@@ -34,7 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..runtime.observer import Collective, CollectiveWatch, CommObserver
+from ..runtime.observer import Collective, CollectiveWatch, CommObserver, GraphLaunch
 from .consistency import CollectiveMismatchError
 from .diagnosis import Verdict
 
@@ -94,6 +94,14 @@ class CollectiveRecord(CollectiveWatch):
                 self.recorder.failed(self, error)
                 raise
         self.recorder.wait_stalled(self, work)
+
+    # Graph mode (runtime/observer.py): the stall poller follows a compiled graph's
+    # collectives as it follows device ones; a failure inside the graph is compared.
+    def in_graph(self, launch: GraphLaunch) -> None:
+        self.recorder.wait_on_device(self, launch)  # type: ignore[arg-type]
+
+    def failed(self, error: RuntimeError) -> None:
+        self.recorder.failed(self, error)
 
     def is_pending_on_device(self) -> bool:
         """Whether this is a device collective whose stream wait was queued and whose
