@@ -9,8 +9,9 @@ inside an opaque custom op (``dtensor_fsdp::strategy_all_gather`` ...), which th
 compiled graph calls as eager calls them, with the same buffers' contents.
 
 [Note: strategy registry] A custom op takes tensors and scalars, not Python objects, so
-a strategy is passed by name: `register` files it in ``_REGISTRY`` under a name made of
-its id, and the op looks it up when it runs. c10d names its process groups in a global
+a strategy (or hook) is passed by name: `op_name` (`hook_name`) files it in
+``_REGISTRY`` under a name made of its id when graph mode is enabled, and the op looks
+it up when it runs. c10d names its process groups in a global
 registry the same way (``_resolve_process_group``). Entries are weak: a strategy lives
 as long as its group holds it.
 """
