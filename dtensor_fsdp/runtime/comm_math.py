@@ -81,6 +81,11 @@ def copy_in(
         t.numel() * dtype.itemsize for t, dtype in zip(plain_shards, plain_dtypes, strict=True)
     ]
     split += [t.numel() * t.itemsize for t in extension_inputs]
+    if torch.compiler.is_compiling():
+        return AllGatherInput(
+            _concatenated(plain_shards, plain_dtypes, extension_inputs, wire, wire_segments),
+            split,
+        )
     exact_nbytes = sum(split)
     all_gather_input = torch.empty(
         exact_nbytes + (wire.nbytes if wire is not None else 0), dtype=torch.uint8, device=device
@@ -103,6 +108,30 @@ def copy_in(
     if wire is not None:
         encode(wire_segments, wire, all_gather_input[exact_nbytes:].view(1, -1))
     return AllGatherInput(all_gather_input, split)
+
+
+def _concatenated(
+    plain_shards: list[torch.Tensor],
+    plain_dtypes: Sequence[torch.dtype],
+    extension_inputs: list[torch.Tensor],
+    wire: WireLayout | None,
+    wire_segments: list[torch.Tensor],
+) -> torch.Tensor:
+    """`copy_in`'s bytes in traced code (graph mode): the same columns concatenated.
+    Traced, a write into a column view of one byte buffer becomes a copy of the whole
+    buffer per column (functionalization's scatter back into the base), which inductor
+    does not turn back into in-place writes through a dtype view."""
+    parts = [
+        shard.to(dtype).reshape(-1).view(torch.uint8)
+        for shard, dtype in zip(plain_shards, plain_dtypes, strict=True)
+    ]
+    parts += [t.view(torch.uint8) for t in extension_inputs]
+    if wire is not None:
+        device = (plain_shards or extension_inputs or wire_segments)[0].device
+        encoded = torch.empty((1, wire.nbytes), dtype=torch.uint8, device=device)
+        encode(wire_segments, wire, encoded)
+        parts.append(encoded.view(-1))
+    return torch.cat(parts)
 
 
 def copy_out(rows: torch.Tensor, split_nbytes: Sequence[int], outputs: list[torch.Tensor]) -> None:
