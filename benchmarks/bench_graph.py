@@ -50,9 +50,11 @@ parameters is memory traffic on a CPU, so the same blocks at width 16 follow; th
 line's Y is the former). **Bitwise**: 2 gloo ranks train a small Llama 5 steps in eager
 mode and in graph mode with ``backend="aot_eager"`` (bucketing on), fp32 and bf16 mixed precision:
 losses and final parameters must be bitwise equal. The last line reads
-``graph: breaks=N bitwise=yes|no collectives_graph/eager=X host_graph/eager=Y``
-(N: graph breaks of graph mode's compile, X: all-gathers + reduce-scatters per step of
-the host-bound model, graph over eager, Y: host time, graph over eager).
+``graph: breaks=N bitwise=yes|no collectives_graph/eager=X host_graph/eager=Y
+overhead_graph/eager=Z`` (N: graph breaks of graph mode's compile, X: all-gathers +
+reduce-scatters per step of the host-bound model, graph over eager, Y: host time, graph
+over eager, Z: what FSDP adds to the plain model's step on the width-16 blocks, graph
+mode's over our eager's: (graph - plain) / (ours - plain)).
 """
 
 import argparse
@@ -307,7 +309,7 @@ def run_workload(
     for name, median in time_interleaved(runners, tokens, args.steps).items():
         results[name].median_s = median
     if profile_busy:
-        for name in ("ours", "graph"):
+        for name in ("ours", "graph", "graph+cudagraphs"):
             if name in runners:
                 results[name].busy = kernel_busy_s(runners[name], tokens) / results[name].median_s
     runners.clear()
@@ -409,6 +411,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--skip", default="", help="comma-separated parts to skip: table,host,bitwise,8b,busy"
     )
+    parser.add_argument("--json", help="also write the figures to this file (gpu_check.py)")
     args = parser.parse_args()
     args.steps = args.steps or (10 if args.quick else 20)
     args.skip = set(filter(None, args.skip.split(",")))
@@ -447,12 +450,16 @@ def main() -> None:
     print(f"torch {torch.__version__}, device {device}, fake process group W={WORLD_SIZE}")
     layers = 8 if args.quick else 32
     host = host_bound(layers)
-    summary: dict[str, object] = {"breaks": None, "bitwise": None, "colls": None, "host": None}
+    summary: dict[str, object] = {
+        "breaks": None, "bitwise": None, "colls": None, "host": None, "overhead": None,
+    }  # fmt: skip
+    figures: dict[str, dict[str, dict[str, float | None]]] = {}
+    # CUDA graphs (inductor's reduce-overhead) only where there is a device to graph.
+    extra = ("graph+cudagraphs",) if device.type == "cuda" else ()
     if "table" not in args.skip:
-        # CUDA graphs (inductor's reduce-overhead) only where there is a device to graph.
-        extra = ("graph+cudagraphs",) if device.type == "cuda" else ()
         results = run_workload(host, CONFIGS + extra, mesh, device, args)
         print_table(host, results)
+        figures["host-bound"] = as_figures(results)
         if "graph" in results and "ours" in results:
             summary["breaks"] = results["graph"].breaks
             summary["colls"] = collectives(results["graph"]) / max(1, collectives(results["ours"]))
@@ -462,33 +469,48 @@ def main() -> None:
         if device.type != "cuda" or args.quick:
             print(f"\n{workload.name}: skipped (CUDA only, not under --quick)")
             continue
-        configs = CONFIGS if part == "8b" else ("plain", "ours", "graph")
-        print_table(workload, run_workload(workload, configs, mesh, device, args, part == "busy"))
+        configs = CONFIGS if part == "8b" else ("plain", "ours", "graph", *extra)
+        results = run_workload(workload, configs, mesh, device, args, part == "busy")
+        print_table(workload, results)
+        figures[part] = as_figures(results)
     if "host" not in args.skip:
-        summary["host"] = run_host_time(layers, args)
+        summary["host"], summary["overhead"] = run_host_time(layers, args)
     if "bitwise" not in args.skip:
         summary["bitwise"] = run_bitwise(steps=5)
     dist.destroy_process_group()
     print(last_line(summary))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"summary": summary, "workloads": figures}, file, indent=1)
 
 
-def run_host_time(layers: int, args: argparse.Namespace) -> float | None:
+def as_figures(results: dict[str, Measured]) -> dict[str, dict[str, float | None]]:
+    """Per configuration: the median step in ms and the busy fraction (or None)."""
+    return {name: {"median_ms": r.median_s * 1e3, "busy": r.busy} for name, r in results.items()}
+
+
+def run_host_time(layers: int, args: argparse.Namespace) -> tuple[float | None, float | None]:
     """Host time per step, graph over ours' eager: batch 1 x seq 1, CPU, fp32; first
     the host-bound model itself, then the same blocks at width 16 (the same ops,
     launches and parameter count, 1/256 of the parameter bytes: on a CPU, copying and
-    updating 7M parameters is not negligible even for one token)."""
+    updating 7M parameters is not negligible even for one token). Returns that ratio on
+    the host-bound model, and on the width-16 blocks what FSDP adds to the plain
+    model's step, graph mode's over our eager's."""
     cpu_mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     timing = argparse.Namespace(warmup=args.warmup, steps=args.host_steps)
-    ratios = []
+    ratios, overhead = [], None
     for workload in (host_bound(layers, batch=1, seq=1), narrow(layers)):
         configs = ("plain", "ours", "graph")
         results = run_workload(workload, configs, cpu_mesh, torch.device("cpu"), timing)
         print_table(workload, results)
-        if "graph" not in results or "ours" not in results:
-            return None
-        ratios.append(results["graph"].median_s / results["ours"].median_s)
+        if any(name not in results for name in configs):
+            return None, None
+        graph, ours, plain = (results[name].median_s for name in configs[::-1])
+        ratios.append(graph / ours)
+        overhead = (graph - plain) / (ours - plain)
         print(f"  host time per step: graph / ours eager = {ratios[-1]:.2f} (target <= 0.35)")
-    return ratios[0]
+        print(f"  what FSDP adds to the plain step: graph / ours eager = {overhead:.2f}")
+    return ratios[0], overhead
 
 
 def narrow(layers: int) -> Workload:
@@ -504,7 +526,8 @@ def last_line(summary: dict[str, object]) -> str:
     breaks = "n/a" if summary["breaks"] is None else summary["breaks"]
     return (
         f"graph: breaks={breaks} bitwise={bitwise} collectives_graph/eager="
-        f"{fmt(summary['colls'])} host_graph/eager={fmt(summary['host'])}"
+        f"{fmt(summary['colls'])} host_graph/eager={fmt(summary['host'])} "
+        f"overhead_graph/eager={fmt(summary['overhead'])}"
     )
 
 

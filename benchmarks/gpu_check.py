@@ -45,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _gpu_check_frameworks as frameworks
+import _gpu_check_graph as graph
 import _gpu_check_jobs as jobs
 import _gpu_check_post_training as post_training
 import _gpu_check_probes as probes
@@ -120,6 +121,12 @@ ROWS = [
         "ours,torch,unsharded", lambda ctx: jobs.bench_train(ctx, profile=False), 150),
     Row("bench_profile", 0, "torchrun W=1 {backend}", "the same with --profile",
         lambda ctx: jobs.bench_train(ctx, profile=True), 150),
+    # Issue 39's GPU targets, unverified when written (no GPU was lent to that session).
+    Row("graph_targets", 0, "fake W=8, one process", "bench_graph.py: graph 8B-shaped "
+        "<= 0.80x torch eager; 0.88B with CUDA graphs busy >= 90%", graph.graph_targets,
+        540, cuda_only=True),
+    Row("symm_mem", 1, "W=1 {backend}", "set_symm_mem_for_comm: = default strategies "
+        "bitwise", graph.symm_mem, 120, cuda_only=True),
 ]  # fmt: skip
 ROW_NAMES = [row.name for row in ROWS]
 

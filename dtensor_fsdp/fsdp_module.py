@@ -17,13 +17,22 @@ from .api import (
     FSDPGroupInfo,
     ReduceScatter,
 )
-from .graph.switch import is_graph_mode
+from .graph.pending import reduce_pending
+from .graph.switch import group_graphs, is_graph_mode
 from .io.load_checks import validate_state_dict
 from .io.state_dict import residual_states
 from .observe.consistency import CollectiveCheck
 from .observe.flight_recorder import FlightRecorder
 from .observe.trace import CommTrace, TraceObserver
 from .observe.watchdog import DEFAULT_DEADLINE, watchdog_factory
+from .runtime.comm_strategies import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+    ProcessGroupAllocAllGather,
+    ProcessGroupAllocReduceScatter,
+    SymmMemAllGather,
+    SymmMemReduceScatter,
+)
 from .runtime.param_group import FSDPParamGroup
 from .runtime.reduction.error_feedback import attribute_tree
 from .runtime.state import FSDPState, assign_fqns, max_in_flight_reduce_scatters, state_of
@@ -141,6 +150,9 @@ class FSDPModule:
         root = self._get_fsdp_state().root
         if root is None:
             return  # no forward yet: nothing was accumulated
+        if is_graph_mode(root.modules[0]):
+            reduce_pending(group_graphs(root.modules[0]))
+            return
         groups: dict[int, FSDPParamGroup] = {}
         for module in root.modules:  # pre-order, root first: torch's order of states
             for group in module._groups(recurse=True):  # type: ignore[attr-defined]
@@ -180,10 +192,10 @@ class FSDPModule:
         """HSDP: whether backward all-reduces gradients over the replicate axis. ``False``
         still reduce-scatters within the shard axis and keeps the partial result, which
         the next backward with all-reduce adds in (gradient accumulation across nodes
-        at intra-node cost). No effect on a 1-D mesh."""
-        self._warn_if_graph_mode("set_requires_all_reduce")
+        at intra-node cost). No effect on a 1-D mesh. Read at every forward in graph
+        mode (dtensor_fsdp/graph), as ``set_requires_gradient_sync``."""
         for group in self._groups(recurse):
-            group.reduction.requires_all_reduce = requires_all_reduce
+            group.reduction.update(requires_all_reduce=requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free the unsharded parameters after forward (to the full mesh:
@@ -410,7 +422,7 @@ class FSDPModule:
             ValueError: the module's call made groups on several meshes, as torch's.
         """
         for group in self._single_mesh_groups("set_custom_all_gather"):
-            group.custom_all_gather = comm
+            group.set_all_gather_comm(comm)
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Run this group's reduce-scatters with ``comm``, which also allocates their
@@ -421,7 +433,7 @@ class FSDPModule:
             ValueError: the module's call made groups on several meshes, as torch's.
         """
         for group in self._single_mesh_groups("set_custom_reduce_scatter"):
-            group.reduction.custom_reduce_scatter = comm
+            group.reduction.update(strategy=comm)
 
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
@@ -456,7 +468,7 @@ class FSDPModule:
                 "hook with its stream, or neither"
             )
         for group in groups:
-            group.reduction.all_reduce_hook = hook
+            group.reduction.update(hook=hook)
             if stream is not None:
                 group.reduction.all_reduce_hook_stream = stream
 
@@ -481,14 +493,14 @@ class FSDPModule:
         if factor <= 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
         for group in self._own_groups():
-            group.reduction.gradient_divide_factor = factor
+            group.reduction.update(gradient_divide_factor=factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Only ever ask collectives to SUM (no AVG or PREMUL_SUM), dividing separately.
         Not recursive, as torch's. On gloo this is always the case."""
         self._warn_if_graph_mode("set_force_sum_reduction_for_comms")
         for group in self._own_groups():
-            group.reduction.force_sum_reduction = enable
+            group.reduction.update(force_sum_reduction=enable)
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -498,7 +510,7 @@ class FSDPModule:
         collective. Like DDP's ``find_unused_parameters``."""
         self._warn_if_graph_mode("set_reduce_scatter_unused_params")
         for group in self._groups(recurse):
-            group.reduction.reduce_scatter_unused_params = reduce_scatter_unused_params
+            group.reduction.update(reduce_unused=reduce_scatter_unused_params)
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
@@ -526,36 +538,44 @@ class FSDPModule:
             group.reduction.set_separate_reduce_scatter_group(enable, new_groups)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Accepted for torch compatibility; no effect here. Not recursive.
-
-        torch's FSDP2 then allocates its all-gather and reduce-scatter staging buffers
-        with the process group's allocator where the backend has one (NCCL's, for
-        zero-copy transfers over NVLink SHARP or InfiniBand), else as usual; gloo has
-        none, so on the host torch changes nothing either. dtensor_fsdp always uses the
-        caching allocator (its all-gather input is the sharded buffer itself, and
-        NCCL's allocator is not supported yet). Unlike torch, which takes each for a
-        custom comm of the other, it may come before or after ``set_symm_mem_for_comm``.
+        """Allocate this module's all-gather and reduce-scatter buffers with the process
+        group's own allocator (``enable=True``), where its backend has one (NCCL's, for
+        zero-copy transfers over NVLink SHARP or InfiniBand), else as usual: gloo has
+        none, so on the host this changes nothing, as torch's. ``False`` returns to the
+        caching allocator. Not recursive. As torch's, it cannot follow a custom
+        all-gather or reduce-scatter, nor ``set_symm_mem_for_comm`` (whose strategies
+        torch takes for custom ones); graph mode runs these strategies as opaque ops.
 
         Args:
             enable: whether to allocate from the process group.
 
         Raises:
-            ValueError: a custom all-gather or reduce-scatter is set on this module
-                (``set_custom_all_gather``, ``set_custom_reduce_scatter``), which
-                allocates its own buffers; also an ``AssertionError``, as in torch.
+            ValueError: this module's all-gather or reduce-scatter is a custom one
+                (``set_custom_all_gather``, ``set_custom_reduce_scatter``,
+                ``set_symm_mem_for_comm``), which allocates its own buffers; also an
+                ``AssertionError``, as in torch.
         """
-        del enable
-        self._refuse_custom_comms("set_allocate_memory_from_process_group()")
+        groups = self._own_groups()
+        method = "set_allocate_memory_from_process_group()"
+        self._refuse_comms(groups, method, (DefaultAllGather, ProcessGroupAllocAllGather),
+                           (DefaultReduceScatter, ProcessGroupAllocReduceScatter))  # fmt: skip
+        for group in groups:
+            if enable:
+                group.set_all_gather_comm(ProcessGroupAllocAllGather(group.mesh_info.shard_group))
+                strategy = ProcessGroupAllocReduceScatter(group.reduction.reduce_scatter_group)
+            else:
+                group.set_all_gather_comm(DefaultAllGather())
+                strategy = DefaultReduceScatter()
+            group.reduction.update(strategy=strategy)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Accepted for torch compatibility; no effect here. Not recursive.
-
-        torch's FSDP2 then allocates its all-gather buffers (and, with
+        """Allocate this module's all-gather buffers (and, with
         ``set_force_sum_reduction_for_comms(True)``, its reduce-scatter buffers) in
         symmetric memory, so that NCCL can run its copy-engine or symmetric-kernel
-        all-gather; a torch build without symmetric memory (a CPU one) raises
-        ``RuntimeError`` instead. dtensor_fsdp always uses the caching allocator; the
-        arguments are checked as torch checks them.
+        all-gather. Not recursive. As torch's: a torch build without symmetric memory
+        (a CPU one) raises ``RuntimeError``; it cannot follow a custom all-gather or
+        reduce-scatter, nor ``set_allocate_memory_from_process_group_for_comm``. It is a
+        collective over each group's ranks (a barrier, as torch's).
 
         Args:
             backend: the symmetric memory backend: ``"NCCL"`` (torch documents only
@@ -565,21 +585,44 @@ class FSDPModule:
             ValueError: ``backend`` is none of those (also a ``RuntimeError``, as in
                 torch); a custom all-gather or reduce-scatter is set on this module (also
                 an ``AssertionError``, as in torch).
+            RuntimeError: this torch build has no symmetric memory ``backend``.
         """
         if backend not in _SYMMETRIC_MEMORY_BACKENDS:
             raise SymmetricMemoryBackendError(
                 f"SymmetricMemory does not find allocation backend {backend}: pass "
                 f"one of {_SYMMETRIC_MEMORY_BACKENDS} (torch's FSDP2 documents 'NCCL')"
             )
-        self._refuse_custom_comms("set_symm_mem()")
+        groups = self._own_groups()
+        self._refuse_comms(groups, "set_symm_mem()", (DefaultAllGather, SymmMemAllGather),
+                           (DefaultReduceScatter, SymmMemReduceScatter))  # fmt: skip
+        # Every strategy first (on a build without symmetric memory the first raises),
+        # then set: nothing half-installed.
+        all_gathers = [SymmMemAllGather(g.mesh_info.shard_group, backend) for g in groups]
+        reduce_scatters = [
+            SymmMemReduceScatter(g.reduction.reduce_scatter_group, backend)
+            if g.reduction.force_sum_reduction
+            else None
+            for g in groups
+        ]
+        for group, all_gather, reduce_scatter in zip(groups, all_gathers, reduce_scatters):
+            group.set_all_gather_comm(all_gather)
+            if reduce_scatter is not None:
+                group.reduction.update(strategy=reduce_scatter)
 
-    def _refuse_custom_comms(self, method: str) -> None:
-        for group in self._own_groups():
-            for kind, comm in (
-                ("all gather", group.custom_all_gather),
-                ("reduce scatter", group.reduction.custom_reduce_scatter),
+    def _refuse_comms(
+        self,
+        groups: list[FSDPParamGroup],
+        method: str,
+        all_gathers: tuple[type, ...],
+        reduce_scatters: tuple[type, ...],
+    ) -> None:
+        """torch's check: ``method`` may replace only the strategies in its own family."""
+        for group in groups:
+            for kind, comm, allowed in (
+                ("all gather", group.all_gather_comm, all_gathers),
+                ("reduce scatter", group.reduction.reduce_scatter_comm, reduce_scatters),
             ):
-                if comm is not None:
+                if not isinstance(comm, allowed):
                     raise SetterError(
                         f"cannot call {method} when {kind} comm is custom: "
                         f"{type(comm).__name__}. A custom {kind} allocates its own buffers"

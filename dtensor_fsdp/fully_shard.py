@@ -245,6 +245,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         args, kwargs = pre_forward(self, args, kwargs)
         return post_forward(self, args, original(self, *args, **kwargs))
 
+    # Graph mode wraps the original in its own gathers instead (graph/switch.py).
+    wrapped.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(module, method_name, MethodType(wrapped, module))
 
 

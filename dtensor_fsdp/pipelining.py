@@ -37,6 +37,8 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from .fsdp_module import FSDPModule
+from .graph.pending import discard_pending
+from .graph.switch import group_graphs, is_graph_mode
 
 __all__ = ["PipelineStage", "register_fsdp_actions"]
 
@@ -47,6 +49,14 @@ class PipelineStage(_TorchPipelineStage):
     microbatch's backward accumulates unsharded gradients and keeps the parameters
     unsharded, and the step's end reduces them once per group. A stage module that is
     not an ``FSDPModule`` of ours runs exactly as in torch's stage."""
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self.submod, FSDPModule) and is_graph_mode(self.submod):
+            # Graph mode reads the flag at the forward (its graph holds the reduction),
+            # not at the backward: every microbatch accumulates, and perform_reduce_grad
+            # reduces the sum once, as eager's stage does.
+            self.submod.set_requires_gradient_sync(False)
+        return super().forward_maybe_with_nosync(*args, **kwargs)
 
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
@@ -78,6 +88,8 @@ class PipelineStage(_TorchPipelineStage):
                 module.reshard()
                 for param in module.parameters():
                     param.grad = None
+        if is_graph_mode(self.submod):
+            discard_pending(group_graphs(self.submod))
 
 
 def register_fsdp_actions(schedule: _PipelineSchedule) -> _PipelineSchedule:
@@ -115,16 +127,18 @@ def register_fsdp_actions(schedule: _PipelineSchedule) -> _PipelineSchedule:
                 "build it with dtensor_fsdp.pipelining.PipelineStage (same arguments)"
             )
 
+    # A stage in graph mode gathers inside its compiled graphs, where the compiler
+    # schedules the gathers: the actions leave it alone.
     def unshard(action: _Action, ctx: _PipelineContext) -> None:
         del ctx
         for module in stages[action.stage_index].submod.modules():
-            if isinstance(module, FSDPModule):
+            if isinstance(module, FSDPModule) and not is_graph_mode(module):
                 module.unshard(async_op=True)
 
     def reshard(action: _Action, ctx: _PipelineContext) -> None:
         del ctx
         for module in stages[action.stage_index].submod.modules():
-            if isinstance(module, FSDPModule):
+            if isinstance(module, FSDPModule) and not is_graph_mode(module):
                 module.reshard()
 
     schedule.register_custom_function(UNSHARD, unshard)

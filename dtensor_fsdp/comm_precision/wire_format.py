@@ -71,8 +71,7 @@ included, so all ranks compute with identical weights.
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -118,6 +117,14 @@ class WireLayout:
     fmt: WireFormat
     block_size: int
     numels: tuple[int, ...]
+    # Derived once, at construction (graph mode traces the codec, and dynamo cannot
+    # trace functools.cached_property's lock): ``ceil(n_i / block_size)`` per segment
+    # (0 for bf16: it has no blocks), the elements each segment occupies on the wire
+    # (``n_i`` rounded up to whole blocks), and each segment's element offset within a
+    # row's padded payload.
+    blocks_per_segment: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    padded_numels: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.fmt not in WIRE_FORMATS:
@@ -141,34 +148,23 @@ class WireLayout:
             raise ValueError(f"WireLayout: numels must be non-negative ints, got {self.numels!r}")
         # Accept any sequence; store a tuple so the layout stays hashable.
         object.__setattr__(self, "numels", numels)
+        if self.fmt == "bf16":
+            blocks, padded = tuple(0 for _ in numels), numels
+        else:
+            blocks = tuple(math.ceil(n / block_size) for n in numels)
+            padded = tuple(b * block_size for b in blocks)
+        object.__setattr__(self, "blocks_per_segment", blocks)
+        object.__setattr__(self, "padded_numels", padded)
+        object.__setattr__(self, "offsets", tuple(_exclusive_cumsum(padded)))
 
     @property
     def is_quantized(self) -> bool:
         return self.fmt != "bf16"
 
-    @cached_property
-    def blocks_per_segment(self) -> tuple[int, ...]:
-        """``ceil(n_i / block_size)`` per segment (0 for bf16: it has no blocks)."""
-        if not self.is_quantized:
-            return tuple(0 for _ in self.numels)
-        return tuple(math.ceil(n / self.block_size) for n in self.numels)
-
     @property
     def num_blocks(self) -> int:
         """Blocks in one row, i.e. float32 scales in one row."""
         return sum(self.blocks_per_segment)
-
-    @cached_property
-    def padded_numels(self) -> tuple[int, ...]:
-        """Elements each segment occupies on the wire: ``n_i`` rounded up to whole blocks."""
-        if not self.is_quantized:
-            return self.numels
-        return tuple(b * self.block_size for b in self.blocks_per_segment)
-
-    @cached_property
-    def offsets(self) -> tuple[int, ...]:
-        """Element offset of each segment within a row's padded payload."""
-        return tuple(_exclusive_cumsum(self.padded_numels))
 
     @property
     def padded_numel(self) -> int:
@@ -362,7 +358,11 @@ def _try_view(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
 
     Reinterpreting bytes as a wider dtype needs the address and every row stride to be
     multiples of its size; a view into a shared wire buffer at an odd offset is not.
+    Inside a compiled graph (graph mode) the address is not known while tracing: the
+    callers copy (the same values).
     """
+    if torch.compiler.is_compiling():
+        return None
     itemsize = dtype.itemsize
     aligned = (
         raw.stride(-1) == 1

@@ -31,28 +31,42 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .switch import RESHARD_ANNOTATION
+from .gather import RESHARD_ANNOTATION
+from .observed import ObservedGraph, ObserversOf, collectives_of
 
 BACKENDS = ("inductor", "aot_eager")
 _warned: set[str] = set()
 
 
 def mark_reshard(graph: fx.Graph) -> int:
-    """Mark the forward nodes of resharding gathers ``MUST_RECOMPUTE``; returns how many.
-    Forward nodes are those that do not depend on a tangent (a backward input)."""
+    """Mark the forward nodes of resharding gathers ``MUST_RECOMPUTE``, and the views
+    taken of them only (a matmul's transposed weight: saving it would keep the
+    unsharded parameter alive); returns how many. Forward nodes are those that do not
+    depend on a tangent (a backward input)."""
     backward: set[fx.Node] = set()
     for node in graph.nodes:  # topological order: a node's inputs come before it
         if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
             arg in backward for arg in node.all_input_nodes
         ):
             backward.add(node)
-    marked = 0
+    marked: set[fx.Node] = set()
     for node in graph.nodes:
+        if node.op != "call_function" or node in backward:
+            continue
         custom = node.meta.get("custom") or {}
-        if node.op == "call_function" and node not in backward and _is_resharding(custom):
+        if _is_resharding(custom) or _is_view_of(node, marked):
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            marked += 1
-    return marked
+            marked.add(node)
+    return len(marked)
+
+
+def _is_view_of(node: fx.Node, marked: set[fx.Node]) -> bool:
+    inputs = node.all_input_nodes
+    return (
+        bool(inputs)
+        and all(arg in marked for arg in inputs)
+        and getattr(node.target, "is_view", False)
+    )
 
 
 def _is_resharding(custom: dict) -> bool:
@@ -66,7 +80,8 @@ class _MarkReshard(CustomGraphPass):
         mark_reshard(graph)
 
     def uuid(self) -> Any:
-        return hashlib.sha256(inspect.getsource(mark_reshard).encode()).hexdigest()
+        source = inspect.getsource(mark_reshard) + inspect.getsource(_is_view_of)
+        return hashlib.sha256(source.encode()).hexdigest()
 
 
 def graph_backend(
@@ -74,20 +89,22 @@ def graph_backend(
     bucket_mb: float | None,
     on_graph: Callable[[fx.GraphModule], None] | None = None,
     inductor_options: dict[str, Any] | None = None,
+    observers_of: ObserversOf | None = None,
 ) -> Callable:
     """The dynamo backend ``name`` (`BACKENDS`) with graph mode's passes; ``bucket_mb``:
     the bucket size, None for no bucketing (and no reordering). ``on_graph`` (aot_eager
     only): called with each forward and backward graph as it will run.
     ``inductor_options``: inductor config, as ``torch.compile``'s ``options`` (its
-    ``mode`` is a set of these: `inductor_mode_options`)."""
+    ``mode`` is a set of these: `inductor_mode_options`). ``observers_of``: the root's
+    observers, told of each graph's launch (graph/observed.py); None: no one."""
     if name == "inductor":
         if on_graph is not None:
             raise ValueError("on_graph is for the aot_eager backend, whose graphs run as seen")
-        return _inductor(bucket_mb, inductor_options or {})
+        return _inductor(bucket_mb, inductor_options or {}, observers_of)
     if inductor_options:
         raise ValueError(f"mode and options are inductor's; the {name!r} backend takes none")
     if name == "aot_eager":
-        return _aot_eager(bucket_mb, on_graph)
+        return _aot_eager(bucket_mb, on_graph, observers_of)
     raise ValueError(f"graph mode's backend must be one of {BACKENDS}, not {name!r}")
 
 
@@ -99,9 +116,11 @@ def inductor_mode_options(mode: str | None) -> dict[str, Any]:
     return dict(list_mode_options(mode)) if mode else {}
 
 
-def _inductor(bucket_mb: float | None, options: dict[str, Any]) -> Callable:
+def _inductor(
+    bucket_mb: float | None, options: dict[str, Any], observers_of: ObserversOf | None
+) -> Callable:
     from torch._inductor import config
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     patches: dict[str, Any] = {**options, "joint_custom_pre_pass": _MarkReshard()}
     if bucket_mb is not None:
@@ -118,27 +137,61 @@ def _inductor(bucket_mb: float | None, options: dict[str, Any]) -> Callable:
             else:
                 _warn_once(f"this torch's inductor has no {key}: graph mode runs without it")
 
+    def inner_compile(gm: fx.GraphModule, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
+        if observers_of is None:
+            return compiled
+        # The collectives as they run: read after inductor's passes (bucketing).
+        phase = "backward" if kwargs.get("is_backward") else "forward"
+        return _ObservedOutput(compiled, ObservedGraph(compiled, collectives_of(gm), phase, observers_of))
+
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
     return backend
 
 
+class _ObservedOutput:
+    """Inductor's compiled graph (an ``OutputCode``), launched through `ObservedGraph`;
+    everything else AOT autograd asks of it goes to it."""
+
+    def __init__(self, compiled: Any, observed: ObservedGraph) -> None:
+        self._compiled = compiled
+        self._observed = observed
+        self._boxed_call = True  # see ObservedGraph
+
+    def __call__(self, inputs: list[Any]) -> Any:
+        return self._observed(inputs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._compiled, name)
+
+
 def _aot_eager(
-    bucket_mb: float | None, on_graph: Callable[[fx.GraphModule], None] | None
+    bucket_mb: float | None,
+    on_graph: Callable[[fx.GraphModule], None] | None,
+    observers_of: ObserversOf | None,
 ) -> Callable:
-    def compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        if bucket_mb is not None:
-            bucket(gm, bucket_mb)
-        if on_graph is not None:
-            on_graph(gm)
-        return make_boxed_func(gm.forward)
+    def compiler(phase: str) -> Callable:
+        def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+            if bucket_mb is not None:
+                bucket(gm, bucket_mb)
+            if on_graph is not None:
+                on_graph(gm)
+            compiled = make_boxed_func(gm.forward)
+            if observers_of is None:
+                return compiled
+            return ObservedGraph(compiled, collectives_of(gm), phase, observers_of)
+
+        return compile_graph
 
     def partition(joint: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
         mark_reshard(joint.graph)
         return min_cut_rematerialization_partition(joint, inputs, **kwargs)
 
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
+    return aot_autograd(
+        fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), partition_fn=partition
+    )
 
 
 def bucket(gm: fx.GraphModule, bucket_mb: float) -> None:

@@ -1,12 +1,19 @@
 """``dtensor_fsdp.compile``: graph mode's entry point."""
 
+import logging
 import statistics
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
+from ..runtime.observer import Observers
+from ..runtime.state import state_of
+from ..runtime.streams import CommStreams
 from .backend import graph_backend, inductor_mode_options
-from .switch import enable_graph_mode, gather_specs
+from .observed import ObserversOf
+from .switch import enable_graph_mode, gather_plans
 
 
 def compile(
@@ -37,9 +44,16 @@ def compile(
         fullgraph, mode, options, compile_kwargs: as ``torch.compile``'s (``mode``
             and ``options`` are inductor's: ``mode="reduce-overhead"`` for CUDA graphs).
 
+    Logging calls inside the compiled forward (``logging.Logger``'s ``debug``,
+    ``info``, ``warning``, and Hugging Face's ``warning_once``/``info_once``, which
+    transformers models call in ``forward``) are skipped while dynamo traces
+    (``torch._dynamo.config.ignore_logging_functions``), so they do not stop a
+    ``fullgraph`` compile; their messages are not emitted by the compiled code.
+
     Returns:
         ``model`` itself (compiled with ``nn.Module.compile``: its state-dict keys do
-        not change).
+        not change). ``dtensor_fsdp.disable_graph_mode(model)`` returns it to eager
+        mode, uncompiled.
     """
     inductor_options = {**inductor_mode_options(mode), **(options or {})}
     graph_backend(backend, None, None, inductor_options)  # bad arguments fail before the switch
@@ -47,11 +61,57 @@ def compile(
     if bucketing and bucket_mb is None:
         bucket_mb = default_bucket_mb(model)
     model.compile(
-        backend=graph_backend(backend, bucket_mb if bucketing else None, None, inductor_options),
+        backend=graph_backend(
+            backend, bucket_mb if bucketing else None, None, inductor_options, _observers_of(model)
+        ),
         fullgraph=fullgraph,
         **compile_kwargs,
     )
+    model._compiled_call_impl = _ignoring_logging(model._compiled_call_impl)
     return model
+
+
+def _observers_of(model: nn.Module) -> ObserversOf:
+    """What each compiled graph's launch tells (graph/observed.py): the observers
+    attached to the root's groups (the flight recorder and the checks are attached to
+    every group of the tree; a ``CommTrace`` set on the root too), read at each launch,
+    with the root's streams and device."""
+    root = state_of(model)
+    assert root is not None and root.ctx is not None  # enable_graph_mode ran lazy init
+
+    # A root without parameters of its own: its tree's groups.
+    groups = root.groups or [g for s in root.states_in_tree for g in s.groups]
+
+    def observers_of() -> tuple[Observers, CommStreams, torch.device]:
+        observers = groups[0].observers if len(groups) == 1 else _union(groups)
+        return observers, root.ctx.streams, root.device
+
+    return observers_of
+
+
+def _union(groups: list[Any]) -> Observers:
+    seen: dict[int, Any] = {}
+    for group in groups:
+        for observer in group.observers:
+            seen.setdefault(id(observer), observer)
+    return tuple(seen.values())
+
+
+def _ignoring_logging(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` run with the logging calls its frames make ignored by dynamo (the
+    config is read while dynamo traces, at the first call and at recompiles)."""
+    ignored = {
+        method
+        for name in ("debug", "info", "warning", "warning_once", "info_once")
+        if (method := getattr(logging.Logger, name, None)) is not None
+    }
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        config = torch._dynamo.config
+        with config.patch(ignore_logging_functions=ignored | config.ignore_logging_functions):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def default_bucket_mb(model: nn.Module) -> float:
@@ -62,7 +122,7 @@ def default_bucket_mb(model: nn.Module) -> float:
 
     Sizes are all-gather outputs, as torch's passes measure buckets; 1% over two
     typical groups so that two equal ones fit despite float rounding of the cap."""
-    sizes = sorted(spec.all_gather_nbytes for spec in gather_specs(model))
+    sizes = sorted(plan.all_gather_nbytes for plan in gather_plans(model))
     typical = statistics.median_low(sizes)
     smaller = sizes[0] if sizes[0] < typical else 0
     return (2.02 * typical + smaller) / 2**20

@@ -1,242 +1,400 @@
-"""A group's all-gather and gradient reduction as traceable ops.
+"""Graph mode's executor of a group's `GroupComm`: its all-gather and its gradient
+reduction as traceable ops.
 
-Graph mode replaces the eager hooks' all-gather and reduce-scatter with one autograd
-function per gather, `GroupGather`: its forward casts the local shards to the
-all-gather dtype, pads them, concatenates them and all-gathers them with one
-functional collective (``torch.ops._c10d_functional``), then splits the result into
-the unsharded parameters; its backward does the eager reduction's arithmetic in the
-same order (cast to the reduce dtype, pre-divide, reduce-scatter or gloo's all-to-all
-and sum, HSDP's all-reduce, post-divide, cast to the parameter's dtype), so that
-without fusion the gradients are bitwise the eager ones. Everything it needs is in a
-frozen `GatherSpec`, a constant for dynamo: nothing here reads module state.
+One autograd function per gather, `GroupGather`: its forward builds the all-gather
+input from the local shards, all-gathers it and copies it out into the unsharded
+parameters; its backward reduces their gradients and cuts them into sharded ones. The
+arithmetic between the collectives is the eager runtime's own (runtime/comm_math.py),
+in its order, and the collectives are functional ones (graph/collectives.py), so that
+without fusion the results are bitwise eager's ([Note: one description, two
+executors], runtime/comm_description.py). Everything it needs is in a frozen
+`GatherPlan` (constants for dynamo) and the tensors passed in: nothing here reads
+module state.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-_ops = torch.ops._c10d_functional
+from ..runtime.comm_description import GroupComm, ReductionDescription
+from ..runtime.comm_math import (
+    AllGatherInput,
+    arrange_for_reduce_scatter,
+    concat_along_shard_dim,
+    copy_in,
+    copy_in_grads,
+    copy_out,
+    decode_columns,
+    decoded_sums,
+    divide_,
+    encoded_partial_sum,
+    finish_reduced,
+    merge_replica_sums,
+    pad_shard,
+    quantized_send_rows,
+    quantized_sum_rows,
+    sharded_grads,
+    split_replica_parts,
+    sum_all_to_all,
+    sum_quantized_rows,
+    unsharded_of,
+)
+from . import collectives
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """One parameter's shard: what its local tensor is and what it all-gathers to."""
-
-    local_shape: tuple[int, ...]  # the DTensor's local tensor (unpadded)
-    padded_local_shape: tuple[int, ...]  # every rank's chunk, padded on dim 0
-    shape: tuple[int, ...]  # unsharded (for TP: the TP-local shape)
-    dim: int  # the sharded dim
-    dtype: torch.dtype  # the sharded param's: its gradient lands in it
-    gather_dtype: torch.dtype  # mixed precision's param_dtype, else ``dtype``
-    requires_grad: bool  # frozen parameters are gathered, never reduced
-
-    @property
-    def padded_local_numel(self) -> int:
-        numel = 1
-        for size in self.padded_local_shape:
-            numel *= size
-        return numel
-
-
-@dataclass(frozen=True)
-class ReductionSpec:
-    """How the group's gradients are reduced: the eager `ReductionPlan`'s choices."""
-
-    reduce_dtype: torch.dtype
-    use_all_to_all: bool  # gloo: all-to-all, then a local sum (eager's plan)
-    reduce_scatter_op: str  # "sum" or "avg"
-    pre_divisor: float
-    post_divisor: float
-    replicate_group: str | None  # HSDP: the all-reduce over the replicate axis
-    replicate_size: int
-    all_reduce_op: str
-    land_unused: bool  # set_reduce_scatter_unused_params: unused params get the reduced zeros
+# The graph nodes of a gather that backward computes again (reshard_after_forward)
+# carry this custom annotation (``torch.fx.traceback.annotate``); `backend.mark_reshard`
+# makes them ``MUST_RECOMPUTE``.
+RESHARD_ANNOTATION = {"dtensor_fsdp": "reshard_after_forward"}
 
 
 @dataclass(frozen=True)
-class GatherSpec:
-    """One gather: a list of shards over one process group, and their reduction."""
+class PostForwardGroups:
+    """hpZ (``reshard_after_forward=k``): the forward all-gathers in two stages, first
+    over ``across`` (the W/k ranks at this rank's place in each block of k consecutive
+    ranks), then over ``block`` (this rank's block: eager's post-forward group). The
+    first stage's output, this rank's 1/k of the unsharded bytes, is what backward
+    keeps; the second is computed again in backward over ``block`` alone, as eager's
+    backward all-gathers the post-forward buffer over the smaller mesh."""
 
-    shards: tuple[ShardSpec, ...]
-    group: str  # the shard axis' process group name
-    world_size: int
-    reduction: ReductionSpec
+    across: str
+    across_size: int
+    block: str
+    block_size: int
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """A group's `GroupComm` with what graph mode adds: the custom ops' names of its
+    strategies and hook (graph/collectives.py), where its tensors live, and what
+    backward keeps of its all-gather."""
+
+    comm: GroupComm
+    all_gather_op: str | None  # None: the default all-gather, a functional collective
+    reduce_scatter_op: str | None  # None: the default reduce-scatter
+    hook_op: str | None  # set_all_reduce_hook
+    trainable: tuple[bool, ...]  # per param of the all-gather: its gradient is reduced
+    device: torch.device  # the compute device (the mesh's)
+    sharded_device: torch.device  # where the sharded params live (CPU offload: the host)
+    reshard: bool  # backward gathers again (reshard_after_forward): nothing is kept
+    post_forward: PostForwardGroups | None  # hpZ: backward keeps 1/k and gathers over k
 
     @property
     def all_gather_nbytes(self) -> int:
         """The unsharded (padded) bytes the forward's all-gather returns."""
-        return self.world_size * sum(
-            s.padded_local_numel * s.gather_dtype.itemsize for s in self.shards
-        )
+        return self.comm.world_size * self.comm.all_gather.nbytes
 
 
-def gather(
-    spec: GatherSpec,
-    locals_: list[torch.Tensor],
-    sync: bool = True,
-    accumulator: torch.Tensor | None = None,
-    pending: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """The unsharded parameters (``spec.shards[i].shape``, in ``gather_dtype``) of the
-    local shards ``locals_``; the gradients of the trainable ones come back reduced and
-    sharded (frozen ones get none, as in eager: not computed, not reduced).
+@dataclass(frozen=True)
+class StepInputs:
+    """What one forward's gather reads besides the local shards: the settings eager
+    reads per backward, and the sums earlier micro-batches left.
 
     Gradient accumulation without sync (``sync=False``): nothing is reduced; the
     unsharded gradients, in the reduce dtype and rank-major as the reduction takes them
-    ((W * sum of the trainable padded local numels,)), become the gradient of
+    ((W, sum of the trainable padded local numels)), become the gradient of
     ``accumulator`` (a leaf: autograd sums them over the micro-batches, as eager sums
-    its unsharded grads). The syncing micro-batch passes that sum as ``pending``: it is
-    added before the reduction, in eager's order."""
-    if not torch.is_grad_enabled() or not any(s.requires_grad for s in spec.shards):
-        return all_gather(spec, locals_)  # nothing to differentiate: no autograd node
-    return GroupGather.apply(spec, sync, accumulator, pending, *locals_)
+    its unsharded grads); the syncing micro-batch passes that sum as ``pending``, added
+    before the reduction, in eager's order. HSDP without all-reduce (``all_reduce=False``)
+    likewise: the shard-reduced chunks become the gradient of ``partial``, and the
+    micro-batch that all-reduces adds ``pending_partial`` first, as eager does.
+    """
+
+    sync: bool
+    all_reduce: bool
+    accumulator: torch.Tensor | None
+    pending: torch.Tensor | None
+    partial: torch.Tensor | None
+    pending_partial: torch.Tensor | None
+    residuals: tuple[torch.Tensor | None, ...]  # error feedback, per reduced param
 
 
-def all_gather(spec: GatherSpec, locals_: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The forward: cast, pad, one all-gather of the concatenated shards, split."""
-    rows = [_padded_rows(local, shard) for local, shard in zip(locals_, spec.shards)]
-    if spec.world_size == 1:
-        return tuple(_unsharded(row.unsqueeze(0), s) for row, s in zip(rows, spec.shards))
-    flat = torch.cat([row.reshape(-1) for row in rows])
-    gathered = _ops.wait_tensor(_ops.all_gather_into_tensor(flat, spec.world_size, spec.group))
-    by_rank = gathered.view(spec.world_size, -1)  # (W, sum of padded local numels)
-    outputs = []
-    offset = 0
-    for shard in spec.shards:
-        chunk = by_rank[:, offset : offset + shard.padded_local_numel]
-        outputs.append(_unsharded(chunk, shard))
-        offset += shard.padded_local_numel
-    return tuple(outputs)
+def gather(plan: GatherPlan, locals_: list[torch.Tensor], step: StepInputs) -> tuple[torch.Tensor, ...]:
+    """The unsharded parameters of the local shards ``locals_`` (in the all-gather's
+    param order); the gradients of the trainable ones come back reduced and sharded
+    (frozen ones get none, as in eager: not computed, not reduced)."""
+    if not torch.is_grad_enabled() or not any(plan.trainable):
+        return all_gather(plan, locals_)  # nothing to differentiate: no autograd node
+    residuals = [r for r in step.residuals if r is not None]
+    return GroupGather.apply(
+        plan, step.sync, step.all_reduce, step.accumulator, step.pending, step.partial,
+        step.pending_partial, len(residuals), *residuals, *locals_,
+    )  # fmt: skip
+
+
+def all_gather(plan: GatherPlan, locals_: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The forward: the all-gather input (comm_math.copy_in: every rank's bytes as
+    eager's), one all-gather (hpZ: two stages), the copy-out into each unsharded
+    parameter. The part backward computes again is annotated (`RESHARD_ANNOTATION`)."""
+    comm = plan.comm
+    world_size = comm.world_size
+    stages = plan.post_forward
+    if stages is not None:
+        copied_in = _copy_in(plan, locals_)
+        kept = collectives.all_gather(
+            copied_in.input, plan.all_gather_op, stages.across_size, stages.across
+        )  # (W/k * bytes): ranks q, q + k, q + 2k... for this rank's place q
+        with _recomputed(True):
+            gathered = collectives.all_gather(
+                kept, plan.all_gather_op, stages.block_size, stages.block
+            )  # (k * W/k * bytes): place-major
+            # Rank order: rank b * k + q is row (q, b) of the gathered bytes.
+            output = gathered.view(stages.block_size, stages.across_size, -1).transpose(0, 1)
+            return _copy_out(plan, output.reshape(-1), copied_in.split_nbytes)
+    with _recomputed(plan.reshard):
+        copied_in = _copy_in(plan, locals_)
+        output = copied_in.input
+        if world_size > 1:
+            output = collectives.all_gather(output, plan.all_gather_op, world_size, comm.group_name)
+        return _copy_out(plan, output, copied_in.split_nbytes)
+
+
+def _recomputed(recomputed: bool) -> contextlib.AbstractContextManager:
+    return torch.fx.traceback.annotate(RESHARD_ANNOTATION) if recomputed else contextlib.nullcontext()
+
+
+def _copy_in(plan: GatherPlan, locals_: list[torch.Tensor]) -> AllGatherInput:
+    """This rank's all-gather input, from its local shards (moved to the compute
+    device under CPU offload, padded as in the sharded buffer)."""
+    description = plan.comm.all_gather
+    shards = [
+        pad_shard(local.to(plan.device) if plan.sharded_device != plan.device else local, p.geometry)
+        for local, p in zip(locals_, description.params, strict=True)
+    ]  # each (*padded_local_shape)
+    return copy_in(
+        [shards[i] for i in description.plain_order],
+        description.plain_dtypes,
+        [],
+        description.wire,
+        [shards[i].reshape(1, -1) for i in description.quantized_order],
+    )
+
+
+def _copy_out(
+    plan: GatherPlan, output: torch.Tensor, split_nbytes: list[int]
+) -> tuple[torch.Tensor, ...]:
+    """The unsharded params from the all-gather ``output`` (W * bytes per rank,)."""
+    description = plan.comm.all_gather
+    params = description.params
+    world_size = plan.comm.world_size
+    rows = output.view(world_size, -1)  # (W, bytes per rank)
+    exact_nbytes = sum(split_nbytes)
+    columns = [
+        torch.empty((world_size, nbytes), dtype=torch.uint8, device=output.device)
+        for nbytes in split_nbytes
+    ]
+    copy_out(rows[:, :exact_nbytes], split_nbytes, columns)
+    unsharded: list[torch.Tensor | None] = [None] * len(params)
+    for i, column in zip(description.plain_order, columns, strict=True):
+        unsharded[i] = _unsharded(column, params[i].geometry, params[i].param_dtype)
+    if description.wire is not None:
+        decoded = [
+            torch.empty(
+                (world_size, params[i].geometry.padded_shard_numel),
+                dtype=params[i].param_dtype,
+                device=output.device,
+            )
+            for i in description.quantized_order
+        ]
+        decode_columns(rows[:, exact_nbytes:], description.wire, decoded)
+        for i, values in zip(description.quantized_order, decoded, strict=True):
+            unsharded[i] = _unsharded(
+                values.view(torch.uint8), params[i].geometry, params[i].param_dtype
+            )
+    return tuple(t for t in unsharded if t is not None)
+
+
+def _unsharded(column: torch.Tensor, geometry: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A param's all-gather column ((W, bytes) uint8: W padded shards) as the unsharded
+    param, as eager's copy-out and `FSDPParam.finish_copy_out` make it."""
+    if geometry.dim != 0:
+        return concat_along_shard_dim(column, geometry, dtype, out=None)
+    return unsharded_of(column.view(dtype).view(geometry.padded_unsharded_shape), geometry)
 
 
 class GroupGather(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
-        spec: GatherSpec,
+        plan: GatherPlan,
         sync: bool,
+        all_reduce: bool,
         accumulator: torch.Tensor | None,
         pending: torch.Tensor | None,
-        *locals_: torch.Tensor,
+        partial: torch.Tensor | None,
+        pending_partial: torch.Tensor | None,
+        num_residuals: int,
+        *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        ctx.spec = spec
+        ctx.plan = plan
         ctx.sync = sync
-        ctx.save_for_backward(pending)
+        ctx.all_reduce = all_reduce
+        ctx.num_residuals = num_residuals
+        # Error feedback's residuals are replaced in place in backward, as eager's.
+        ctx.save_for_backward(pending, pending_partial, *tensors[:num_residuals])
         # A parameter the forward leaves unused gets no gradient (None), as in eager.
         ctx.set_materialize_grads(False)
-        outputs = all_gather(spec, locals_)
+        outputs = all_gather(plan, list(tensors[num_residuals:]))
         ctx.mark_non_differentiable(
-            *(out for out, shard in zip(outputs, spec.shards) if not shard.requires_grad)
+            *(out for out, trainable in zip(outputs, plan.trainable) if not trainable)
         )
         return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        spec: GatherSpec = ctx.spec
-        reduction = spec.reduction
-        trainable = [(g, s) for g, s in zip(grads, spec.shards) if s.requires_grad]
-        # autograd calls this only if some output has a gradient.
-        device = next(g for g in grads if g is not None).device
-        chunks = [
-            _rank_major(grad, shard, spec.world_size, reduction.reduce_dtype, device)
-            for grad, shard in trainable
-        ]
-        reduce_input = torch.cat(chunks, dim=1)  # (W, sum of trainable padded local numels)
-        (pending,) = ctx.saved_tensors
-        if pending is not None:
-            reduce_input = pending.view_as(reduce_input) + reduce_input
-        unused = (None,) * len(grads)
+        plan: GatherPlan = ctx.plan
+        pending, pending_partial, *residuals = ctx.saved_tensors
+        none = (None,) * (8 + ctx.num_residuals)
+        reduction = plan.comm.reduction
+        assert reduction is not None  # some output is trainable
+        reduce_input = _reduce_input(plan, reduction, grads, pending)
         if not ctx.sync:
-            return (None, None, reduce_input.reshape(-1), None, *unused)
-        return (None, None, None, None, *_reduced_shards(reduce_input, spec, grads))
+            return (*none[:3], reduce_input, *none[4:], *(None,) * len(grads))
+        reduced = reduce(plan, reduce_input, residuals, ctx.all_reduce, pending_partial)
+        if reduced.partial is not None:
+            return (*none[:5], reduced.partial, *none[6:], *(None,) * len(grads))
+        assert reduced.reduced is not None
+        return (*none, *sharded_grads_of(plan, reduced.reduced, grads))
 
 
-def _reduced_shards(
-    reduce_input: torch.Tensor, spec: GatherSpec, grads: tuple[torch.Tensor | None, ...]
-) -> list[torch.Tensor | None]:
-    """Reduce (W, n) and cut this rank's chunk into each trainable parameter's sharded
-    gradient; None for frozen ones, and for unused ones unless the group reduces
-    unused parameters' zeros (``set_reduce_scatter_unused_params``), as eager."""
-    reduction = spec.reduction
-    if reduction.pre_divisor != 1.0:
-        reduce_input = reduce_input / reduction.pre_divisor
-    reduced = _reduce_scatter(reduce_input, spec)
-    if reduction.replicate_group is not None:
-        reduced = _ops.wait_tensor(
-            _ops.all_reduce(reduced, reduction.all_reduce_op, reduction.replicate_group)
-        )
-    if reduction.post_divisor != 1.0:
-        reduced = reduced / reduction.post_divisor
-    sharded: list[torch.Tensor | None] = []
-    offset = 0
-    for grad, shard in zip(grads, spec.shards):
-        if not shard.requires_grad:
-            sharded.append(None)
-            continue
-        piece = reduced[offset : offset + shard.padded_local_numel]
-        offset += shard.padded_local_numel
-        if grad is None and not reduction.land_unused:
-            sharded.append(None)
-            continue
-        local = piece.view(shard.padded_local_shape)[: shard.local_shape[0]]
-        sharded.append(local.to(shard.dtype))
-    return sharded
+@dataclass(frozen=True)
+class Reduced:
+    """A reduction's result: the reduced buffer, or for HSDP without all-reduce the
+    shard-reduced partial sum kept for a later micro-batch."""
+
+    reduced: torch.Tensor | None  # (sum of trainable padded numels,), divided later
+    partial: torch.Tensor | None
 
 
-def _padded_rows(local: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
-    """``local`` in the all-gather dtype, padded on dim 0 to ``padded_local_shape``."""
-    local = local.to(shard.gather_dtype)
-    missing = shard.padded_local_shape[0] - local.shape[0]
-    if missing == 0:
-        return local
-    # F.pad pads the last dims first: (0, 0) for each trailing dim, then dim 0.
-    return F.pad(local, (0, 0) * (local.dim() - 1) + (0, missing))
+def reduce(
+    plan: GatherPlan,
+    reduce_input: torch.Tensor,
+    residuals: list[torch.Tensor],
+    all_reduce: bool,
+    pending_partial: torch.Tensor | None,
+) -> Reduced:
+    """The reduction of ``reduce_input`` ((W, n): `_reduce_input`'s) over the shard
+    axis, then for HSDP over the replicas (or, without all-reduce, kept as a partial
+    sum), as eager's GradientReduction runs it."""
+    reduction = plan.comm.reduction
+    assert reduction is not None
+    reduced = _reduce_scatter(plan, reduction, reduce_input, residuals)
+    if plan.comm.replicate_group_name is None:
+        return Reduced(reduced, None)
+    if pending_partial is not None:
+        reduced = pending_partial + reduced  # eager's order: the partial sum first
+    if not all_reduce:
+        return Reduced(None, reduced)
+    return Reduced(_all_reduce(plan, reduction, reduced), None)
 
 
-def _unsharded(chunk: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
-    """Every rank's padded chunk (W, padded_local_numel) as the unsharded tensor."""
-    world_size = chunk.shape[0]
-    by_rank = chunk.reshape(world_size, *shard.padded_local_shape)
-    if shard.dim == 0:
-        rows = by_rank.reshape(world_size * shard.padded_local_shape[0], *shard.shape[1:])
-        return rows[: shard.shape[0]]
-    # Shard(dim != 0) divides evenly: the chunks sit side by side along ``dim``.
-    return torch.cat(by_rank.unbind(0), dim=shard.dim)
-
-
-def _rank_major(
-    grad: torch.Tensor | None,
-    shard: ShardSpec,
-    world_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
+def _reduce_input(
+    plan: GatherPlan,
+    reduction: ReductionDescription,
+    grads: tuple[torch.Tensor | None, ...],
+    pending: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``grad`` (unsharded) in ``dtype`` as (W, padded_local_numel): rank r's chunk in
-    row r, the padding zero. A parameter the forward left unused (None) reduces zeros,
-    so every rank issues the same collective."""
-    if grad is None:
-        return torch.zeros(world_size, shard.padded_local_numel, dtype=dtype, device=device)
-    grad = grad.to(dtype)
-    if shard.dim != 0:
-        return torch.stack(grad.chunk(world_size, dim=shard.dim)).reshape(world_size, -1)
-    missing = world_size * shard.padded_local_shape[0] - grad.shape[0]
-    if missing:
-        grad = F.pad(grad, (0, 0) * (grad.dim() - 1) + (0, missing))
-    return grad.reshape(world_size, -1)
+    """(W, n): the trainable params' unsharded grads rank-major in the reduce dtype
+    (comm_math.copy_in_grads), zeros for unused ones (every rank issues the same
+    collective), plus what earlier micro-batches without sync left."""
+    params = plan.comm.all_gather.params
+    device = next(g for g in grads if g is not None).device
+    arranged = []
+    for grad, param, trainable in zip(grads, params, plan.trainable, strict=True):
+        if not trainable:
+            continue
+        if grad is None:
+            grad = torch.zeros(param.geometry.shape, dtype=reduction.reduce_dtype, device=device)
+        arranged.append(arrange_for_reduce_scatter(grad, param.geometry))
+    reduce_input = copy_in_grads(arranged, reduction.reduce_dtype, plan.comm.world_size)
+    if pending is not None:
+        reduce_input = pending + reduce_input  # eager's order: the running sum first
+    return reduce_input
 
 
-def _reduce_scatter(reduce_input: torch.Tensor, spec: GatherSpec) -> torch.Tensor:
-    """This rank's reduced chunk, (sum of padded local numels,)."""
-    world_size = spec.world_size
+def _reduce_scatter(
+    plan: GatherPlan,
+    reduction: ReductionDescription,
+    reduce_input: torch.Tensor,
+    residuals: list[torch.Tensor],
+) -> torch.Tensor:
+    """This rank's reduced chunk of every trainable param, (sum of padded numels,)."""
+    comm = plan.comm
+    world_size = comm.world_size
+    if reduction.any_quantized:
+        policy = reduction.policy
+        assert policy is not None and policy.reduce_scatter is not None
+        columns = list(reduce_input.split([p.geometry.padded_shard_numel for p in reduction.params], dim=1))
+        feedback = iter(residuals)
+        send, layout = quantized_send_rows(
+            columns,
+            reduction.quantized,
+            reduction.reduce_dtype,
+            reduction.pre_divisor,
+            world_size,
+            policy.reduce_scatter,
+            policy.block_size,
+            [next(feedback) if q else None for q in reduction.quantized]
+            if reduction.error_feedback
+            else None,
+        )
+        return sum_quantized_rows(collectives.all_to_all(send, comm.reduce_group_name), layout)
+    divide_(reduce_input, reduction.pre_divisor)
     if world_size == 1:
         return reduce_input.view(-1)
-    flat = reduce_input.reshape(-1)
-    if spec.reduction.use_all_to_all:
-        splits = [flat.numel() // world_size] * world_size
-        received = _ops.wait_tensor(_ops.all_to_all_single(flat, splits, splits, spec.group))
-        return received.view(world_size, -1).sum(dim=0)
-    return _ops.wait_tensor(
-        _ops.reduce_scatter_tensor(flat, spec.reduction.reduce_scatter_op, world_size, spec.group)
+    plan_ = reduction.plan
+    if plan_.use_all_to_all:
+        return sum_all_to_all(collectives.all_to_all(reduce_input, comm.reduce_group_name))
+    op = "avg" if plan_.average_in_reduce_scatter else "sum"
+    return collectives.reduce_scatter(
+        reduce_input.view(-1), plan.reduce_scatter_op, op, world_size, comm.reduce_group_name
     )
+
+
+def _all_reduce(plan: GatherPlan, reduction: ReductionDescription, reduced: torch.Tensor) -> torch.Tensor:
+    """HSDP: the sum (or average) over the replicas, exact and quantized legs."""
+    comm = plan.comm
+    group = comm.replicate_group_name
+    assert group is not None
+    parts = reduced.split([p.geometry.padded_shard_numel for p in reduction.params])
+    exact, exact_numels, quantized = split_replica_parts(parts, reduction.replicate_quantized)
+    if exact is not None:
+        exact = collectives.all_reduce(exact, "avg" if reduction.plan.average_in_all_reduce else "sum", group)
+    sums: list[torch.Tensor] = []
+    if quantized:
+        policy = reduction.policy
+        assert policy is not None and policy.reduce_scatter is not None
+        send, layout = quantized_sum_rows(quantized, comm.replicate_size, policy.reduce_scatter, policy.block_size)
+        mine = encoded_partial_sum(collectives.all_to_all(send, group), layout)
+        gathered = collectives.all_gather(mine, None, comm.replicate_size, group)
+        sums = decoded_sums(gathered, layout)
+    return merge_replica_sums(exact, exact_numels, sums, reduction.replicate_quantized)
+
+
+def sharded_grads_of(
+    plan: GatherPlan, reduced: torch.Tensor, grads: tuple[torch.Tensor | None, ...]
+) -> list[torch.Tensor | None]:
+    """Divide, run the hook, cut into sharded grads in the params' dtype (on the
+    host under CPU offload); None for frozen params, and for unused ones (``grads``
+    None) unless the group reduces unused parameters' zeros, as eager."""
+    reduction = plan.comm.reduction
+    assert reduction is not None
+    hook = None
+    if plan.hook_op is not None:
+        hook_op = plan.hook_op
+
+        def hook(tensor: torch.Tensor) -> None:
+            collectives.call_hook(tensor, hook_op)
+
+    finish_reduced(reduced, reduction.post_divisor, reduction.divided_in_collective, hook)
+    locals_ = iter(sharded_grads(reduced, [p.geometry for p in reduction.params]))
+    sharded: list[torch.Tensor | None] = []
+    for grad, param, trainable in zip(grads, plan.comm.all_gather.params, plan.trainable, strict=True):
+        local = next(locals_) if trainable else None
+        if local is None or (grad is None and not reduction.reduce_unused):
+            sharded.append(None)
+            continue
+        sharded.append(local.to(device=plan.sharded_device, dtype=param.dtype))
+    return sharded

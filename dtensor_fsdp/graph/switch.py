@@ -18,55 +18,47 @@ Settings are read when graph mode is enabled: enable it again after changing one
 """
 
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..runtime.collectives import ReductionPlan
 from ..runtime.param import FSDPParam
-from ..runtime.param_group import FSDPParamGroup
-from ..runtime.reduction.landing import NO_OVERFLOW_RISK
-from ..runtime.reduction.reduce_scatter import gradient_divisors
 from ..runtime.state import FSDPState, cast_floating, inputs_to_device, state_of, states_under
 from ..runtime.tensor_utils import contiguous_stride
-from .gather import GatherSpec, ReductionSpec, ShardSpec, gather
+from .gather import GatherPlan, StepInputs, gather
+from .group_plan import GroupGraph, group_graph
+from .observed import GROUP_ANNOTATION
 
-# The graph nodes of a gather whose group reshards after forward carry this custom
-# annotation (``torch.fx.traceback.annotate``); `backend.mark_reshard` finds them.
-RESHARD_ANNOTATION = {"dtensor_fsdp": "reshard_after_forward"}
-_GRAPH = "_dtensor_fsdp_graph"  # an FSDP module's __dict__ key: its `ModuleGather`
+_GRAPH = "_dtensor_fsdp_graph"  # an FSDP module's __dict__ key: its `ModuleGraph`
 _EAGER_FORWARD = "_dtensor_fsdp_eager_forward"  # an instance ``forward`` found at enable
+# An FSDP module's register_fsdp_forward_method methods, as eager registered them.
+_EAGER_METHODS = "_dtensor_fsdp_eager_methods"
+
+
+@dataclass
+class Session:
+    """The groups gathered since the outermost graph-mode forward began (the root's,
+    or a module's called on its own) and where they are bound; everything is unbound
+    when it ends. A group is gathered once per session, however many of its modules
+    run and however often: a list group ``fully_shard([a, b])`` gathers once, and a
+    block called twice reuses its gathered parameters, so autograd sums its two
+    gradients before the one reduction, as eager's post-backward does."""
+
+    depth: int = 0
+    gathered: set[int] = field(default_factory=set)  # `GroupGraph.index`es
+    bound: list[tuple[nn.Module, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
-class BoundParam:
-    """Where one gathered tensor is bound, and how it is presented (TP: as a DTensor)."""
-
-    slots: tuple[tuple[nn.Module, str], ...]
-    fsdp_param: FSDPParam
-
-
-@dataclass(frozen=True)
-class Gather:
-    """One gather of an FSDP module's forward: what it gathers and where it binds it."""
-
-    spec: GatherSpec
-    params: tuple[BoundParam, ...]
-    reshard: bool  # re-gathered in backward (reshard_after_forward)
-    group: FSDPParamGroup  # read at each trace: requires_gradient_sync
-    # Gradient accumulation without sync: a leaf whose ``.grad`` sums the micro-batches'
-    # unsharded gradients (gather.py). Expanded from one element: it holds no memory.
-    accumulator: torch.Tensor
-
-
-@dataclass(frozen=True)
-class ModuleGather:
+class ModuleGraph:
     """What one FSDP module's forward gathers, and how it treats inputs and outputs."""
 
-    gathers: tuple[Gather, ...]
+    groups: tuple[GroupGraph, ...]
+    session: Session  # its root's
     input_dtype: torch.dtype | None  # mixed precision's cast_forward_inputs
     output_dtype: torch.dtype | None
     input_device: torch.device | None  # the root moves host inputs to the mesh's device
@@ -94,19 +86,31 @@ def enable_graph_mode(root: nn.Module) -> None:
     for state in states:
         for group in state.groups:
             group.reshard()
+    session = Session()
+    graphs: dict[int, GroupGraph] = {}
+    process_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for state in states:
+        for group in state.groups:
+            graphs[id(group)] = group_graph(group, len(graphs), process_groups)
     for state in states:
         for handles in state.forward_hook_handles:
             for handle in handles:
                 handle.remove()
         state.forward_hook_handles.clear()
+        groups = tuple(graphs[id(group)] for group in state.groups)
         for module in state.modules:
-            module.__dict__[_GRAPH] = _module_gather(state, module, is_root=state is root_state)
+            module.__dict__[_GRAPH] = _module_graph(state, groups, session, state is root_state)
     for module, names in _graph_modules(states).items():
         _swap_class(module, names)
 
 
 def disable_graph_mode(root: nn.Module) -> None:
-    """Back to eager mode: the original classes and FSDP's hooks."""
+    """Back to eager mode: the original classes and FSDP's hooks, and ``root`` no
+    longer compiled (``dtensor_fsdp.compile`` compiles it with ``nn.Module.compile``,
+    whose graphs hold graph mode's gathers and no FSDP hooks). Training continues
+    bitwise as a run that stayed eager. Sums of micro-batches without sync that no
+    syncing forward consumed yet are dropped."""
+    root.__dict__.pop("_compiled_call_impl", None)
     states = states_under((root,))
     for module, names in _graph_modules(states).items():
         original = getattr(type(module), "_dtensor_fsdp_eager_class", None)
@@ -115,9 +119,12 @@ def disable_graph_mode(root: nn.Module) -> None:
                 module.__dict__.pop(_bound_attribute(name), None)
             module.__class__ = original
         if _GRAPH in module.__dict__:
-            del module.__dict__["forward"]
-            if _EAGER_FORWARD in module.__dict__:
-                module.__dict__["forward"] = module.__dict__.pop(_EAGER_FORWARD)
+            methods = module.__dict__.pop(_EAGER_METHODS, {})
+            if "forward" not in methods:
+                del module.__dict__["forward"]
+                if _EAGER_FORWARD in module.__dict__:
+                    module.__dict__["forward"] = module.__dict__.pop(_EAGER_FORWARD)
+            module.__dict__.update(methods)
     for state in states:
         was_graph = False
         for module in state.modules:
@@ -130,14 +137,20 @@ def is_graph_mode(module: nn.Module) -> bool:
     return _GRAPH in module.__dict__
 
 
-def gather_specs(root: nn.Module) -> list[GatherSpec]:
-    """The gathers of every FSDP module under ``root`` in graph mode."""
-    return [
-        spec
+def group_graphs(root: nn.Module) -> list[GroupGraph]:
+    """Every group under ``root`` in graph mode, in its tree's order."""
+    graphs = {
+        graph.index: graph
         for module in root.modules()
         if _GRAPH in module.__dict__
-        for spec in (planned.spec for planned in module.__dict__[_GRAPH].gathers)
-    ]
+        for graph in module.__dict__[_GRAPH].groups
+    }
+    return [graphs[index] for index in sorted(graphs)]
+
+
+def gather_plans(root: nn.Module) -> list[GatherPlan]:
+    """The gathers of every group under ``root`` in graph mode."""
+    return [graph.plan for graph in group_graphs(root)]
 
 
 def _graph_modules(states: list[FSDPState]) -> dict[nn.Module, tuple[str, ...]]:
@@ -154,123 +167,30 @@ def _graph_modules(states: list[FSDPState]) -> dict[nn.Module, tuple[str, ...]]:
 
 
 def _check_supported(state: FSDPState) -> None:
-    """Features of the eager runtime graph mode does not have yet: a clear error."""
+    """What graph mode cannot run: a clear error before anything is switched."""
     for group in state.groups:
-        reduction = group.reduction
-        unsupported = {
-            "CPU offload (offload_policy)": group.offload is not None,
-            "set_custom_all_gather": group.custom_all_gather is not None,
-            "set_custom_reduce_scatter": reduction.custom_reduce_scatter is not None,
-            "set_comm_precision": reduction.comm_precision is not None,
-            "set_all_reduce_hook": reduction.all_reduce_hook is not None,
-            "an all-gather extension (fsdp_pre_all_gather)": any(
-                p.extension is not None for p in group.fsdp_params
-            ),
-            "HSDP with set_requires_all_reduce(False)": group.mesh_info.is_hsdp
-            and not reduction.requires_all_reduce,
-            "register_fsdp_forward_method": any(
-                _is_registered_method(value) for m in group.modules for value in vars(m).values()
-            ),
-        }
-        for feature, used in unsupported.items():
-            if used:
-                raise NotImplementedError(
-                    f"graph mode does not support {feature} yet (fully_shard module "
-                    f"{group.fqn or type(group.modules[0]).__name__!r}): use eager mode "
-                    "for this model, or turn it off"
-                )
+        extended = [p.fqn for p in group.fsdp_params if p.extension is not None]
+        if extended:
+            raise NotImplementedError(
+                f"graph mode does not support all-gather extensions (fsdp_pre_all_gather "
+                f"tensor subclasses: {extended} of fully_shard module "
+                f"{group.fqn or type(group.modules[0]).__name__!r}): AOT autograd traces "
+                "the gradient of a subclass output (torchao's Float8TrainingTensor) as that "
+                "subclass, which the reduction cannot take; use eager mode for this model "
+                "(docs/graph.md)"
+            )
 
 
-def _is_registered_method(value: object) -> bool:
-    function = getattr(value, "__func__", None)
-    return function is not None and function.__qualname__.startswith(
-        "register_fsdp_forward_method."
-    )
-
-
-def _module_gather(state: FSDPState, module: nn.Module, is_root: bool) -> ModuleGather:
-    gathers = []
-    for group in state.groups:
-        # fully_shard([a, b]): each module gathers the parameters under it.
-        params = [p for p in group.fsdp_params if _owned_by(p, module)]
-        if not params:
-            continue
-        spec = GatherSpec(
-            shards=tuple(_shard_spec(p) for p in params),
-            group=group.mesh_info.shard_group.group_name,
-            world_size=group.mesh_info.shard_size,
-            reduction=_reduction_spec(group, params),
-        )
-        bound = tuple(BoundParam(tuple((s.module, s.name) for s in p.slots), p) for p in params)
-        # lazy_init already cleared it for a root left to decide (torch's default).
-        reshard = bool(group.reshard_after_forward)
-        gathers.append(Gather(spec, bound, reshard, group, _accumulator(spec, group)))
+def _module_graph(
+    state: FSDPState, groups: tuple[GroupGraph, ...], session: Session, is_root: bool
+) -> ModuleGraph:
     policy = state.mp_policy
-    return ModuleGather(
-        gathers=tuple(gathers),
+    return ModuleGraph(
+        groups=groups,
+        session=session,
         input_dtype=policy.param_dtype if policy and policy.cast_forward_inputs else None,
         output_dtype=policy.output_dtype if policy else None,
         input_device=state.device if is_root and state.device.type not in ("cpu", "meta") else None,
-    )
-
-
-def _accumulator(spec: GatherSpec, group: FSDPParamGroup) -> torch.Tensor:
-    numel = spec.world_size * sum(s.padded_local_numel for s in spec.shards if s.requires_grad)
-    zero = torch.zeros(1, dtype=spec.reduction.reduce_dtype, device=group.device)
-    return zero.expand(numel).requires_grad_()
-
-
-def _owned_by(fsdp_param: FSDPParam, module: nn.Module) -> bool:
-    under = {id(m) for m in module.modules()}
-    return any(id(slot.module) in under for slot in fsdp_param.slots)
-
-
-def _shard_spec(fsdp_param: FSDPParam) -> ShardSpec:
-    geometry = fsdp_param.geometry
-    return ShardSpec(
-        local_shape=tuple(geometry.local_shape),
-        padded_local_shape=tuple(geometry.padded_local_shape),
-        shape=tuple(fsdp_param.shape),
-        dim=geometry.dim,
-        dtype=fsdp_param.dtype,
-        gather_dtype=fsdp_param.param_dtype,
-        requires_grad=fsdp_param.requires_grad,
-    )
-
-
-def _reduction_spec(group: FSDPParamGroup, params: list[FSDPParam]) -> ReductionSpec:
-    """The eager reduction's choices for ``group`` (gradient_reduction.py), fixed."""
-    reduction = group.reduction
-    mesh_info = group.mesh_info
-    reduce_dtype = params[0].reduce_dtype
-    replicate_group = mesh_info.replicate_group if mesh_info.is_hsdp else None
-    plan = ReductionPlan.choose(
-        reduction.reduce_scatter_group,
-        replicate_group,
-        group.device,
-        prefer_average=reduction.gradient_divide_factor is None
-        and not reduction.force_sum_reduction
-        and reduce_dtype in NO_OVERFLOW_RISK,
-        custom=None,
-    )
-    pre_divisor, post_divisor = gradient_divisors(
-        plan,
-        reduce_dtype,
-        reduction.gradient_divide_factor,
-        mesh_info.shard_size,
-        mesh_info.replicate_size,
-    )
-    all_reduce = replicate_group is not None and reduction.requires_all_reduce
-    return ReductionSpec(
-        reduce_dtype=reduce_dtype,
-        use_all_to_all=plan.use_all_to_all,
-        reduce_scatter_op="avg" if plan.average_in_reduce_scatter else "sum",
-        pre_divisor=pre_divisor,
-        post_divisor=post_divisor,
-        replicate_group=replicate_group.group_name if all_reduce else None,
-        replicate_size=mesh_info.replicate_size if all_reduce else 1,
-        all_reduce_op="avg" if plan.average_in_all_reduce else "sum",
-        land_unused=reduction.reduce_scatter_unused_params,
     )
 
 
@@ -291,12 +211,31 @@ def _swap_class(module: nn.Module, names: tuple[str, ...]) -> None:
         namespace["_dtensor_fsdp_eager_class"] = cls
         _GRAPH_CLASSES[cls, names] = type(f"Graph{cls.__name__}", (cls,), namespace)
     if _GRAPH in module.__dict__:
-        own = module.__dict__.get("forward")
-        if own is not None:
-            module.__dict__[_EAGER_FORWARD] = own
-        inner = own if own is not None else types.MethodType(cls.forward, module)
-        module.__dict__["forward"] = types.MethodType(_graph_forward(inner), module)
+        registered = _swap_registered_methods(module)
+        if "forward" not in registered:
+            own = module.__dict__.get("forward")
+            if own is not None:
+                module.__dict__[_EAGER_FORWARD] = own
+            inner = own if own is not None else types.MethodType(cls.forward, module)
+            module.__dict__["forward"] = types.MethodType(_graph_forward(inner), module)
     module.__class__ = _GRAPH_CLASSES[cls, names]
+
+
+def _swap_registered_methods(module: nn.Module) -> dict[str, types.MethodType]:
+    """``register_fsdp_forward_method``'s methods gather as the forward does (a
+    generate() around compiled forwards: the forwards inside reuse its gathers);
+    returns them as eager registered them."""
+    registered = {
+        name: value
+        for name, value in vars(module).items()
+        if isinstance(value, types.MethodType) and hasattr(value.__func__, "__wrapped__")
+        and value.__func__.__qualname__.startswith("register_fsdp_forward_method.")
+    }  # fmt: skip
+    module.__dict__[_EAGER_METHODS] = registered
+    for name, method in registered.items():
+        original = types.MethodType(method.__func__.__wrapped__, module)
+        module.__dict__[name] = types.MethodType(_graph_forward(original), module)
+    return registered
 
 
 def _bound_attribute(name: str) -> str:
@@ -318,52 +257,71 @@ def _bound_property(name: str) -> property:
 
 
 def _graph_forward(forward: Any) -> Any:
-    """``forward`` (bound) wrapped: gather and bind, run, unbind (also on an error)."""
+    """``forward`` (bound) wrapped: gather and bind (once per session), run; the
+    outermost one unbinds everything its session bound (also on an error)."""
 
     def graph_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        plan: ModuleGather = self.__dict__[_GRAPH]
-        if plan.input_device is not None:
-            args, kwargs = inputs_to_device((args, kwargs), plan.input_device)
-        if plan.input_dtype is not None:
-            args, kwargs = cast_floating((args, kwargs), plan.input_dtype)
-        bound = _bind(plan)
+        graph: ModuleGraph = self.__dict__[_GRAPH]
+        if graph.input_device is not None:
+            args, kwargs = inputs_to_device((args, kwargs), graph.input_device)
+        if graph.input_dtype is not None:
+            args, kwargs = cast_floating((args, kwargs), graph.input_dtype)
+        session = graph.session
+        session.depth += 1
         try:
+            for group_graph_ in graph.groups:
+                if group_graph_.index not in session.gathered:
+                    session.gathered.add(group_graph_.index)
+                    _bind(group_graph_, session)
             output = forward(*args, **kwargs)
         finally:
-            for module, name in bound:
-                setattr(module, _bound_attribute(name), None)
-        if plan.output_dtype is not None:
-            output = cast_floating(output, plan.output_dtype)
+            session.depth -= 1
+            if session.depth == 0:
+                _end(session)
+        if graph.output_dtype is not None:
+            output = cast_floating(output, graph.output_dtype)
         return output
 
     return graph_forward
 
 
-def _bind(plan: ModuleGather) -> list[tuple[nn.Module, str]]:
-    bound = []
-    for planned in plan.gathers:
-        shards = [p.slots[0][0]._parameters[p.slots[0][1]].to_local() for p in planned.params]
-        # Dynamo guards on the flag and on whether a sum is pending: a step with
-        # micro-batches without sync runs up to three graphs (no sync, sync with and
-        # without a pending sum), each compiled once.
-        sync = planned.group.requires_gradient_sync
-        # Only a forward that will have a backward consumes the pending sum (not an
-        # evaluation between micro-batches).
-        pending = planned.accumulator.grad if sync and torch.is_grad_enabled() else None
-        if pending is not None:
-            planned.accumulator.grad = None  # consumed by this micro-batch's reduction
-        arguments = (planned.spec, shards, sync, planned.accumulator, pending)
-        if planned.reshard:
-            with torch.fx.traceback.annotate(RESHARD_ANNOTATION):
-                unsharded = gather(*arguments)
-        else:
-            unsharded = gather(*arguments)
-        for param, tensor in zip(planned.params, unsharded):
-            value = _presented(param.fsdp_param, tensor)
-            for module, name in param.slots:
-                setattr(module, _bound_attribute(name), value)
-                bound.append((module, name))
-    return bound
+def _end(session: Session) -> None:
+    for module, name in session.bound:
+        setattr(module, _bound_attribute(name), None)
+    session.bound.clear()
+    session.gathered.clear()
+
+
+def _bind(graph: GroupGraph, session: Session) -> None:
+    """Gather ``graph``'s group and bind its unsharded params (`_bound_property`)."""
+    shards = [p.slots[0][0]._parameters[p.slots[0][1]].to_local() for p in graph.params]
+    group = graph.group
+    # Dynamo guards on the flags and on whether a sum is pending: a step with
+    # micro-batches without sync runs up to three graphs (no sync, sync with and
+    # without a pending sum), each compiled once; likewise HSDP's all-reduce.
+    sync = group.requires_gradient_sync
+    all_reduce = group.reduction.settings.requires_all_reduce
+    # Only a forward that will have a backward consumes a pending sum (not an
+    # evaluation between micro-batches).
+    consumes = sync and torch.is_grad_enabled()
+    pending = graph.accumulator.grad if consumes else None
+    if pending is not None:
+        graph.accumulator.grad = None  # consumed by this micro-batch's reduction
+    pending_partial = graph.partial.grad if consumes and all_reduce else None
+    if pending_partial is not None:
+        graph.partial.grad = None
+    step = StepInputs(
+        sync, all_reduce, graph.accumulator, pending, graph.partial, pending_partial,
+        graph.residuals,
+    )  # fmt: skip
+    # The observers name a graph's collectives by group (graph/observed.py).
+    with torch.fx.traceback.annotate({GROUP_ANNOTATION: group.fqn}):
+        unsharded = gather(graph.plan, shards, step)
+    for param, tensor in zip(graph.params, unsharded, strict=True):
+        value = _presented(param.fsdp_param, tensor)
+        for module, name in param.slots:
+            setattr(module, _bound_attribute(name), value)
+            session.bound.append((module, name))
 
 
 def _presented(fsdp_param: FSDPParam, tensor: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..runtime.observer import Collective, CollectiveWatch, CommObserver
+from ..runtime.observer import Collective, CollectiveWatch, CommObserver, GraphLaunch
 from .consistency import CollectiveMismatchError, CollectiveSignature
 from .diagnosis import Verdict
 
@@ -109,6 +109,14 @@ class CollectiveRecord(CollectiveWatch):
         # The slice ran out, or the wait failed: see [Note: a collective that
         # completes after its slice ran out].
         self.recorder.wait_stalled(self, work)
+
+    # Graph mode (runtime/observer.py): the stall poller follows a compiled graph's
+    # collectives as it follows device ones; a failure inside the graph is compared.
+    def in_graph(self, launch: GraphLaunch) -> None:
+        self.recorder.wait_on_device(self, launch)  # type: ignore[arg-type]
+
+    def failed(self, error: RuntimeError) -> None:
+        self.recorder.failed(self, error)
 
     def is_pending_on_device(self) -> bool:
         """Whether this is a device collective whose stream wait was queued and whose

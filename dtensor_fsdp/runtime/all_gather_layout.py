@@ -30,9 +30,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..api import CommPrecisionPolicy, MixedPrecisionPolicy
-from ..comm_precision.wire_format import WireLayout, decode
-from .collectives import AllGatherResult, copy_in, copy_out
+from ..api import AllGather, CommPrecisionPolicy, MixedPrecisionPolicy
+from ..comm_precision.wire_format import WireLayout
+from .collectives import AllGatherResult
+from .comm_description import AllGatherDescription, describe_all_gather
+from .comm_math import (
+    cast_whole_buffer,
+    copy_in,
+    copy_out,
+    decode_columns,
+)
 from .extension import has_all_gather_extension
 from .mesh import MeshInfo
 from .observer import Watches
@@ -106,43 +113,23 @@ class PostForwardShard:
     written: object | None
 
 
-def quantizes_all_gather(policy: CommPrecisionPolicy | None, fsdp_param: FSDPParam) -> bool:
-    """Whether ``policy`` sends ``fsdp_param`` encoded in the all-gather."""
-    return (
-        policy is not None
-        and policy.all_gather is not None
-        and fsdp_param.param_dtype.is_floating_point
-        and policy.param_filter(fsdp_param.fqn, fsdp_param.sharded_param)
-    )
-
-
 @dataclass(frozen=True)
 class AllGatherLayout:
-    """What one group's all-gather sends and where its output goes, for the group's
-    parameters, sharded buffer and ``CommPrecisionPolicy`` as they are when built."""
+    """What one group's all-gather sends and where its output goes: the group's
+    `AllGatherDescription` (comm_description.py) with the eager runtime's buffers, for
+    the group's parameters, sharded buffer, ``CommPrecisionPolicy`` and all-gather
+    strategy as they are when built."""
 
+    description: AllGatherDescription
     params: tuple[FSDPParam, ...]  # the group's, in the sharded buffer's order
     sharded_buffer: torch.Tensor  # 1-D uint8; see [Note: sharded buffer]
     comm_precision: CommPrecisionPolicy | None
-    # Plain params copied exactly, largest param_dtype first, with their bytes per rank
-    # and wire dtypes.
+    # The description's orders as the params themselves (it holds indices).
     plain_order: tuple[FSDPParam, ...]
-    plain_split: tuple[int, ...]
-    plain_dtypes: tuple[torch.dtype, ...]
-    quantized_order: tuple[FSDPParam, ...]  # encoded at the end (``wire``)
-    wire: WireLayout | None
-    # Exactly copied columns of a full all-gather, in order: plain, then extensions.
+    quantized_order: tuple[FSDPParam, ...]
     all_gather_order: tuple[FSDPParam, ...]
-    # hpZ re-gathers the post-forward buffer exactly: every plain param (no extension
-    # there: fully_shard refuses it), quantized or not, as unsharded bytes.
     post_forward_order: tuple[FSDPParam, ...]
-    # Only these have anything to do after the copy-out (`FSDPParam.finish_copy_out`).
     finishes_copy_out: tuple[FSDPParam, ...]
-    # Mixed precision's usual case, one dtype cast to one param_dtype and nothing else:
-    # the all-gather input is the whole sharded buffer cast in one op (its order is then
-    # the all-gather order; padding casts to zeros).
-    casts_whole_buffer: bool
-    copies_in: bool  # else the all-gather reads the sharded buffer in place
     # Each plain param's padded shard, a view of the sharded buffer.
     padded_shards: Mapping[FSDPParam, torch.Tensor]
     # The tensors copy-out writes into that autograd may have saved (see
@@ -155,57 +142,50 @@ class AllGatherLayout:
         params: Sequence[FSDPParam],
         comm_precision: CommPrecisionPolicy | None,
         sharded_buffer: torch.Tensor,
+        strategy: AllGather,
+        offload: bool,
     ) -> "AllGatherLayout":
-        plain = [p for p in params if p.extension is None]
-        quantized = tuple(p for p in plain if quantizes_all_gather(comm_precision, p))
-        plain_order = tuple(
-            sorted((p for p in plain if p not in quantized), key=lambda p: -p.param_dtype.itemsize)
-        )
-        extended = tuple(p for p in params if p.extension is not None)
-        casts = any(p.param_dtype != p.dtype for p in plain)
-        wire = (
-            WireLayout(
-                comm_precision.all_gather,
-                comm_precision.block_size,
-                tuple(p.padded_shard_numel for p in quantized),
-            )
-            if quantized and comm_precision is not None
-            else None
-        )
+        description = describe_all_gather(params, comm_precision, strategy, offload)
+
+        def ordered(indices: tuple[int, ...]) -> tuple[FSDPParam, ...]:
+            return tuple(params[i] for i in indices)
+
         return cls(
+            description=description,
             params=tuple(params),
             sharded_buffer=sharded_buffer,
             comm_precision=comm_precision,
-            plain_order=plain_order,
-            plain_split=tuple(p.all_gather_nbytes for p in plain_order),
-            plain_dtypes=tuple(p.param_dtype for p in plain_order),
-            quantized_order=quantized,
-            wire=wire,
-            all_gather_order=plain_order + extended,
-            post_forward_order=plain_order + quantized,
-            finishes_copy_out=tuple(
-                p for p in params if p.extension is not None or p.geometry.dim != 0
-            ),
-            casts_whole_buffer=(
-                casts
-                and not extended
-                and not quantized
-                and len({(p.dtype, p.param_dtype) for p in plain}) == 1
-            ),
-            copies_in=casts or bool(extended) or bool(quantized),
+            plain_order=ordered(description.plain_order),
+            quantized_order=ordered(description.quantized_order),
+            all_gather_order=ordered(description.all_gather_order),
+            post_forward_order=ordered(description.post_forward_order),
+            finishes_copy_out=ordered(description.finishes_copy_out),
             padded_shards=_padded_shards(params, sharded_buffer),
-            version_tracked=None if extended else _version_tracked(params),
+            version_tracked=None if description.extension_order else _version_tracked(params),
         )
+
+    @property
+    def strategy(self) -> AllGather:
+        return self.description.strategy
+
+    @property
+    def plain_split(self) -> tuple[int, ...]:
+        return self.description.plain_split
+
+    @property
+    def wire(self) -> WireLayout | None:
+        return self.description.wire
 
     def sharded_source(self, sharded: torch.Tensor, mesh_info: MeshInfo) -> AllGatherSource:
         """The full all-gather's input over ``mesh_info``: ``sharded`` (the sharded
         buffer on the compute device) in place, cast as a whole, or copied in."""
-        if not self.copies_in:
-            return AllGatherSource(sharded, mesh_info, self.plain_split)
-        if self.casts_whole_buffer:
+        description = self.description
+        if not description.copies_in:
+            return AllGatherSource(sharded, mesh_info, description.plain_split)
+        if description.casts_whole_buffer:
             first = self.params[0]
-            cast = sharded.view(first.dtype).to(first.param_dtype).view(torch.uint8)
-            return AllGatherSource(cast, mesh_info, self.plain_split)
+            cast = cast_whole_buffer(sharded, first.dtype, first.param_dtype)
+            return AllGatherSource(cast, mesh_info, description.plain_split)
         shards = (
             self.padded_shards
             if sharded is self.sharded_buffer
@@ -213,18 +193,20 @@ class AllGatherLayout:
         )
         copied_in = copy_in(
             [shards[p] for p in self.plain_order],
-            self.plain_dtypes,
+            description.plain_dtypes,
             [
                 t
                 for p in self.all_gather_order
                 if p.extension is not None
                 for t in p.extension_all_gather_inputs()
             ],
-            self.wire,
+            description.wire,
             # Encoded from the sharded (master) values, not from a param_dtype copy.
             [shards[p].view(1, -1) for p in self.quantized_order],
         )
-        return AllGatherSource(copied_in.input, mesh_info, copied_in.split_nbytes, self.wire)
+        return AllGatherSource(
+            copied_in.input, mesh_info, copied_in.split_nbytes, description.wire
+        )
 
     def post_forward_source(
         self, post_forward: PostForwardShard, mesh_info: MeshInfo, post_forward_mesh_info: MeshInfo
@@ -264,8 +246,7 @@ class AllGatherLayout:
                 [t for p in exact for t in p.copy_out_targets(world_size, is_post_forward)],
             )
             if source.wire is not None:
-                # Every rank decodes the same bytes, its own shard's too: identical weights.
-                decode(
+                decode_columns(
                     rows[:, exact_nbytes:],
                     source.wire,
                     [

@@ -23,6 +23,13 @@ Per collective the runtime calls, in this order:
 
 ``lifecycle(step, fqn, phase)`` marks a group's steps (FSDP2's verbs: ``unshard``,
 ``reshard``, ``reshard_post_forward``, ``pre_backward``, ``post_backward``).
+
+Graph mode (dtensor_fsdp/graph) runs its collectives inside compiled graphs: at each
+graph's launch it calls steps 1 and 2 for every collective the graph holds, in the
+graph's order, then ``watch.waiting()`` and ``watch.in_graph(launch)``: the collectives
+are waited inside the graph, where no observer can wait in the runtime's place, and
+``launch.is_completed()`` turns true when the graph returns (then ``watch.waited``). If
+the graph raises, ``watch.failed(error)`` lets an observer raise a clearer error.
 """
 
 from dataclasses import dataclass
@@ -60,6 +67,21 @@ class Collective:
     grads: UnshardedGrads | None = None  # a reduce-scatter's gradients
 
 
+class GraphLaunch:
+    """The run of one compiled graph, as an observer follows the collectives inside it
+    (the part of ``dist.Work`` it may call: ``is_completed``, ``wait``)."""
+
+    def __init__(self) -> None:
+        self.returned = False
+
+    def is_completed(self) -> bool:
+        return self.returned
+
+    def wait(self, timeout: object = None) -> bool:
+        """Nothing to wait for here: the graph waits for its own collectives."""
+        return True
+
+
 class CollectiveWatch:
     """An observer's follower of one issued collective (see the module docstring)."""
 
@@ -76,6 +98,16 @@ class CollectiveWatch:
         """Wait for ``work`` (called instead of ``work.wait()`` when ``waits``); may
         raise to end a wait that does not end."""
         work.wait()
+
+    def in_graph(self, launch: GraphLaunch) -> None:
+        """The collective runs inside a compiled graph (graph mode), waited there; the
+        graph has returned once ``launch.is_completed()``. An observer that bounds
+        waits follows it from another thread."""
+
+    def failed(self, error: RuntimeError) -> None:
+        """The compiled graph that held the collective raised ``error`` (a backend's:
+        a peer died, sizes mismatched); an observer may raise a clearer error from it.
+        Returning lets the runtime raise ``error``."""
 
 
 class CommObserver:

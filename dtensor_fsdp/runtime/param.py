@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..api import MixedPrecisionPolicy
+from .comm_math import arrange_for_reduce_scatter, concat_along_shard_dim, unsharded_of
 from .extension import AllGatherExtension, has_all_gather_extension
 from .mesh import MeshInfo, SpmdLayout
 from .tensor_utils import (
@@ -258,7 +259,7 @@ class FSDPParam:
             device=self.compute_device,
         )  # (*padded_unsharded_shape): W padded chunks along the shard dim
         self._padded_unsharded: torch.Tensor | None = padded
-        unsharded = self._as_unsharded(padded[: self.shape[0]])  # (*shape)
+        unsharded = self._as_unsharded(unsharded_of(padded, self.geometry))  # (*shape)
         self.unsharded_param: nn.Parameter | None = nn.Parameter(unsharded, self.requires_grad)
         free_storage(padded)
 
@@ -352,7 +353,7 @@ class FSDPParam:
         if staged is not None:
             finals = [self._padded_unsharded] if self.extension is None else self.extension.outputs
             for rows, final in zip(staged, finals, strict=True):
-                self._concat_along_shard_dim(rows, final)
+                concat_along_shard_dim(rows, self.geometry, final.dtype, out=final)
         if self.extension is None:
             return
         unsharded = self.extension.post_all_gather(
@@ -360,15 +361,6 @@ class FSDPParam:
         )
         if unsharded is not None:
             self.unsharded_param = nn.Parameter(self._as_unsharded(unsharded), self.requires_grad)
-
-    def _concat_along_shard_dim(self, rows: torch.Tensor, final: torch.Tensor) -> None:
-        """``rows`` (W, bytes): W padded shards of ``final``'s dtype back to back; write
-        their concatenation along the shard dim into ``final``."""
-        dim, world_size = self.geometry.dim, self.geometry.world_size
-        chunks = rows.view(final.dtype).view(world_size, *self.geometry.padded_local_shape)
-        # (*shape[:dim], W, shape[dim] / W, *shape[dim + 1:]): concatenation along dim.
-        target = final.view(self.geometry.padded_unsharded_shape).unflatten(dim, (world_size, -1))
-        target.copy_(chunks.movedim(0, dim))
 
     def to_unsharded(self) -> None:
         self._assert_in_states(ShardedState.SHARDED)
@@ -424,19 +416,12 @@ class FSDPParam:
         if self._accumulated_grad is not None:
             accumulated, self._accumulated_grad = self._accumulated_grad, None
             grad = accumulated if grad is None else accumulated.add_(grad)
-        return None if grad is None else self._arranged_for_reduce_scatter(grad)
+        return None if grad is None else arrange_for_reduce_scatter(grad, self.geometry)
 
     def zero_grad_to_reduce(self) -> torch.Tensor:
         """Zeros in place of the grad of a parameter unused this step."""
         zeros = torch.zeros(self.shape, dtype=self.param_dtype, device=self.compute_device)
-        return self._arranged_for_reduce_scatter(zeros)
-
-    def _arranged_for_reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.geometry.dim == 0:
-            return grad
-        return grad.unflatten(self.geometry.dim, (self.geometry.world_size, -1)).movedim(
-            self.geometry.dim, 0
-        )
+        return arrange_for_reduce_scatter(zeros, self.geometry)
 
     def clear_unsharded_grad(self) -> None:
         if self.unsharded_param is not None:
@@ -469,14 +454,15 @@ class FSDPParam:
 
     def accumulate_sharded_grad(
         self,
-        reduced: torch.Tensor,
+        local: torch.Tensor,
         to_host: "Callable[..., torch.Tensor] | None" = None,
         pin_memory: bool = False,
     ) -> bool:
         """Land this rank's averaged gradient chunk on ``sharded_param.grad``.
 
         Args:
-            reduced: 1-D, this parameter's padded segment of the reduce-scatter output.
+            local: (*local_shape), this parameter's chunk of the reduced buffer
+                (`comm_math.sharded_grads`), in the reduce dtype.
             to_host: CPU offload: the device-to-host copy (``CommStreams.copy_to_host``);
                 the sharded grad lives with the sharded param, on the CPU.
             pin_memory: CPU offload's ``CPUOffloadPolicy.pin_memory``.
@@ -485,8 +471,6 @@ class FSDPParam:
             Whether the host copy may still be running: the caller must make the host
             wait for it before anything reads the grad there (the optimizer).
         """
-        geometry = self.geometry
-        local = reduced[: geometry.local_numel].view(geometry.local_shape)  # (*local_shape)
         grad = self.sharded_param.grad
         hooks = getattr(self.sharded_param, "_post_accumulate_grad_hooks", None) or {}
         # The copy may run asynchronously only if nothing on the host reads it before

@@ -32,6 +32,7 @@ from .all_gather_layout import (
     shard_params,
 )
 from .collectives import all_gather
+from .comm_strategies import DefaultAllGather, is_custom
 from .mesh import MeshInfo
 from .observer import (
     Collective,
@@ -114,12 +115,14 @@ class FSDPParamGroup:
         sharded_buffer, self.fsdp_params = shard_params(
             params, mesh_info, self._sharded_device(device), self._pins_sharded_buffer(), mp_policy
         )
-        # Rebuilt, never mutated, by `set_comm_precision` and `reset_sharded_params`.
-        self.all_gather_layout = AllGatherLayout.build(self.fsdp_params, None, sharded_buffer)
+        # Rebuilt, never mutated, by `set_comm_precision`, `set_all_gather_comm` and
+        # `reset_sharded_params`.
+        self.all_gather_layout = AllGatherLayout.build(
+            self.fsdp_params, None, sharded_buffer, DefaultAllGather(), self.offload is not None
+        )
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         # FSDPModule.set_* knobs (torch's names); the reduction has its own.
-        self.custom_all_gather: AllGather | None = None
         self.unshard_in_backward = True
         # Whether this group's reduce-scatter waits for room in flight: only the
         # first of a call's groups to reduce (the last one) does, as in torch; set by
@@ -186,8 +189,29 @@ class FSDPParamGroup:
                 "its backward (or with an unshard in flight): call it between iterations"
             )
         self.reduction.set_comm_precision(policy)
+        self._rebuild_layout(policy, self.all_gather_layout.strategy, self.sharded_buffer)
+
+    @property
+    def all_gather_comm(self) -> AllGather:
+        """The group's all-gather strategy (comm_strategies.py)."""
+        return self.all_gather_layout.strategy
+
+    @property
+    def custom_all_gather(self) -> AllGather | None:
+        """A user's ``set_custom_all_gather`` strategy, if set."""
+        comm = self.all_gather_layout.strategy
+        return comm if is_custom(comm) else None
+
+    def set_all_gather_comm(self, comm: AllGather) -> None:
+        """Run this group's all-gathers with ``comm`` from the next one on."""
+        layout = self.all_gather_layout
+        self._rebuild_layout(layout.comm_precision, comm, layout.sharded_buffer)
+
+    def _rebuild_layout(
+        self, policy: CommPrecisionPolicy | None, comm: AllGather, sharded_buffer: torch.Tensor
+    ) -> None:
         self.all_gather_layout = AllGatherLayout.build(
-            self.fsdp_params, policy, self.sharded_buffer
+            self.fsdp_params, policy, sharded_buffer, comm, self.offload is not None
         )
 
     def to_sharded_modules(self) -> None:
@@ -234,9 +258,9 @@ class FSDPParamGroup:
         sharded_buffer = rederive_sharded_buffer(
             self.fsdp_params, device, self._pins_sharded_buffer()
         )
-        self.all_gather_layout = AllGatherLayout.build(
-            self.fsdp_params, self.all_gather_layout.comm_precision, sharded_buffer
-        )
+        layout = self.all_gather_layout
+        self._rebuild_layout(layout.comm_precision, layout.strategy, sharded_buffer)
+        self.reduction.forget_description()  # the params' reduce dtypes may have changed
         return True
 
     def move_sharded_buffer(self, buffer: torch.Tensor) -> None:
@@ -300,7 +324,9 @@ class FSDPParamGroup:
         with streams.on(role):
             source = self._all_gather_source_now()
             watches = self._observe_all_gather(source) if self.observers else ()
-            result = all_gather(source.input, source.mesh_info.shard_group, self.custom_all_gather)
+            result = all_gather(
+                source.input, source.mesh_info.shard_group, self.all_gather_layout.strategy
+            )
             # Everything the copy-out reads was written on this stream: the offload's
             # host-to-device copy, the copy-in, a custom all-gather's own kernels (it
             # may return no Work). One event orders them all, at every shard size:

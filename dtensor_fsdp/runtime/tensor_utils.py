@@ -8,8 +8,7 @@ ones, which are shorter or empty. Internally every chunk is padded to the full
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,42 +33,39 @@ class ShardGeometry:
 
     Dim 0 follows ``torch.chunk`` and pads every chunk to ``ceil(dim0 / W)`` rows. Any
     other dim must divide evenly (``fully_shard`` checks), so nothing is padded. The
-    shapes are computed once: every unshard and gradient landing reads them.
+    derived shapes are fields computed once, at construction: every unshard and
+    gradient landing reads them, and graph mode's traced code too (dynamo cannot trace
+    ``functools.cached_property``'s lock).
     """
 
     shape: torch.Size
     dim: int
     world_size: int
     rank: int
+    padded_local_shape: torch.Size = field(init=False)
+    local_shape: torch.Size = field(init=False)
+    # W padded chunks stacked along ``dim``: what the all-gather output becomes.
+    padded_unsharded_shape: torch.Size = field(init=False)
+    padded_shard_numel: int = field(init=False)
+    local_numel: int = field(init=False)
 
-    @cached_property
-    def padded_local_shape(self) -> torch.Size:
-        if self.dim == 0:
-            return torch.Size((chunk_rows(self.shape[0], self.world_size), *self.shape[1:]))
-        return self._with_dim(self.shape[self.dim] // self.world_size)
-
-    @cached_property
-    def local_shape(self) -> torch.Size:
-        if self.dim == 0:
-            rows = local_rows(self.shape[0], self.world_size, self.rank)
-            return torch.Size((rows, *self.shape[1:]))
-        return self.padded_local_shape
-
-    @cached_property
-    def padded_unsharded_shape(self) -> torch.Size:
-        """W padded chunks stacked along ``dim``: what the all-gather output becomes."""
-        local = self.padded_local_shape
-        return torch.Size(
-            (*local[: self.dim], self.world_size * local[self.dim], *local[self.dim + 1 :])
-        )
-
-    @cached_property
-    def padded_shard_numel(self) -> int:
-        return math.prod(self.padded_local_shape)
-
-    @cached_property
-    def local_numel(self) -> int:
-        return math.prod(self.local_shape)
+    def __post_init__(self) -> None:
+        shape, dim, world_size = self.shape, self.dim, self.world_size
+        if dim == 0:
+            padded = torch.Size((chunk_rows(shape[0], world_size), *shape[1:]))
+            local = torch.Size((local_rows(shape[0], world_size, self.rank), *shape[1:]))
+        else:
+            padded = torch.Size((*shape[:dim], shape[dim] // world_size, *shape[dim + 1 :]))
+            local = padded
+        unsharded = torch.Size((*padded[:dim], world_size * padded[dim], *padded[dim + 1 :]))
+        for name, value in (
+            ("padded_local_shape", padded),
+            ("local_shape", local),
+            ("padded_unsharded_shape", unsharded),
+            ("padded_shard_numel", math.prod(padded)),
+            ("local_numel", math.prod(local)),
+        ):
+            object.__setattr__(self, name, value)
 
     def local_chunk(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's (unpadded) chunk of ``tensor``, a view."""
@@ -77,9 +73,6 @@ class ShardGeometry:
             start = self.rank * chunk_rows(self.shape[0], self.world_size)
             return tensor[start : start + self.local_shape[0]]
         return tensor.chunk(self.world_size, dim=self.dim)[self.rank]
-
-    def _with_dim(self, size: int) -> torch.Size:
-        return torch.Size((*self.shape[: self.dim], size, *self.shape[self.dim + 1 :]))
 
 
 def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
 from torch.distributed.tensor import Shard
 
 _CHILD = """

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
 from dtensor_fsdp import CommPrecisionPolicy, FSDPModule, fully_shard
+from dtensor_fsdp.runtime.comm_math import quantized_send_rows
 from tests._harness import fake_mesh
 
 
@@ -186,17 +187,11 @@ def test_set_comm_precision_between_forward_and_backward_raises() -> None:
 def test_error_feedback_drops_the_error_of_a_non_finite_block() -> None:
     """A block with an inf decodes to non-finite values; its error must not be carried
     into later steps (it would poison the block for good), while the other blocks keep
-    theirs. The residual is computed before the collective, so the fake group serves."""
-    from dtensor_fsdp.runtime.collectives import ReductionPlan, quantized_reduce_scatter
-
-    with fake_mesh(2) as mesh:
-        grad = torch.randn(4, 8)  # 2 rows per rank: blocks of 4 elements, 4 per chunk
-        grad[0, 0] = float("inf")
-        residual = torch.zeros(2, 16)
-        plan = ReductionPlan(use_all_to_all=True, average_in_reduce_scatter=False)
-        quantized_reduce_scatter(
-            [grad], [True], torch.float32, mesh.get_group(), plan, "int8", 4, [residual]
-        )
+    theirs. The residual is computed before the collective (comm_math.py): no group."""
+    grad = torch.randn(4, 8)  # 2 rows per rank: blocks of 4 elements, 4 per chunk
+    grad[0, 0] = float("inf")
+    residual = torch.zeros(2, 16)
+    quantized_send_rows([grad], [True], torch.float32, 1.0, 2, "int8", 4, [residual])
     assert torch.isfinite(residual).all()
     assert torch.equal(residual[0, :4], torch.zeros(4)), "the inf block's error is dropped"
     assert residual[0, 4:].abs().sum() > 0 and residual[1].abs().sum() > 0

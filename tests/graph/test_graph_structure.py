@@ -17,11 +17,12 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import dtensor_fsdp
-from dtensor_fsdp import CPUOffloadPolicy, fully_shard
+from dtensor_fsdp import fully_shard
 from dtensor_fsdp.graph import backend
 from dtensor_fsdp.graph.backend import graph_backend
 from dtensor_fsdp.graph.compile import default_bucket_mb
@@ -186,21 +187,27 @@ def test_disable_returns_to_eager(mesh) -> None:
     assert _recorded(model) == Counter(all_gather=5, reduce_scatter=3)
 
 
-def test_unsupported_features_raise_before_switching(mesh) -> None:
+def test_graph_mode_needs_the_root(mesh) -> None:
     model = build_llama(uneven_config(), mesh)
     with pytest.raises(ValueError, match="root of a fully_shard tree"):
         dtensor_fsdp.enable_graph_mode(torch.nn.Linear(2, 2))
     _step(model)  # lazy init: the blocks are not roots
     with pytest.raises(ValueError, match="not one"):
         dtensor_fsdp.enable_graph_mode(model.layers[0])
-    model.layers[1].set_comm_precision(dtensor_fsdp.CommPrecisionPolicy(all_gather="int8"))
-    with pytest.raises(NotImplementedError, match="set_comm_precision.*layers.1"):
-        dtensor_fsdp.enable_graph_mode(model)
     assert not any(is_graph_mode(m) for m in model.modules())  # nothing half switched
-    offloaded = Llama(uneven_config())
-    fully_shard(offloaded, mesh=mesh, offload_policy=CPUOffloadPolicy())
-    with pytest.raises(NotImplementedError, match="CPU offload"):
-        dtensor_fsdp.enable_graph_mode(offloaded)
+
+
+def test_all_gather_extensions_are_refused_before_switching(mesh) -> None:
+    """torchao's float8 weights (an all-gather extension): refused with the reason,
+    nothing switched (docs/graph.md)."""
+    float8 = pytest.importorskip("torchao.float8")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+    model = float8.convert_to_float8_training(model, config=config)
+    fully_shard(model, mesh=mesh)
+    with pytest.raises(NotImplementedError, match="all-gather extensions.*AOT autograd"):
+        dtensor_fsdp.enable_graph_mode(model)
+    assert not any(is_graph_mode(m) for m in model.modules())
 
 
 def test_compile_arguments_checked_before_switching(mesh) -> None:
@@ -255,15 +262,130 @@ def test_frozen_and_unused_parameters(mesh) -> None:
     assert isinstance(model.unused.weight.grad, DTensor)
 
 
-def test_unsupported_after_enable_warns_and_methods_refused(mesh) -> None:
+def test_settings_after_enable_warn(mesh) -> None:
     model = build_llama(uneven_config(), mesh)
     dtensor_fsdp.enable_graph_mode(model)
     with pytest.warns(UserWarning, match="set_reshard_after_forward takes effect once"):
         model.set_reshard_after_forward(False)
-    other = build_llama(uneven_config(), mesh)
-    dtensor_fsdp.register_fsdp_forward_method(other, "forward")
-    with pytest.raises(NotImplementedError, match="register_fsdp_forward_method"):
-        dtensor_fsdp.enable_graph_mode(other)
+
+
+class _Generating(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def generate(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Two forwards, as a generate() runs one per token."""
+        return self(tokens) + self(tokens)
+
+
+def test_registered_method_gathers_each_group_once(mesh) -> None:
+    """``register_fsdp_forward_method``: in graph mode the method gathers every group
+    once, and the forwards it calls reuse its gathers; eager's counts are unchanged
+    after ``disable_graph_mode``."""
+    torch.manual_seed(0)
+    inner = Llama(uneven_config())
+    for block in inner.layers:
+        fully_shard(block, mesh=mesh)
+    model = fully_shard(_Generating(inner), mesh=mesh)
+    dtensor_fsdp.register_fsdp_forward_method(model, "generate")
+    call = lambda: model.generate(TOKENS[:, :-1]).sum().backward()  # noqa: E731
+    eager = _recorded_call(model, call)
+    dtensor_fsdp.enable_graph_mode(model)
+    assert _recorded_call(model, call) == Counter(all_gather=3, reduce_scatter=3)
+    dtensor_fsdp.disable_graph_mode(model)
+    assert _recorded_call(model, call) == eager
+
+
+def _recorded_call(model, call) -> Counter:
+    with C10dRecorder() as recorder:
+        call()
+    return Counter(kind for kind, _ in recorder.records)
+
+
+def test_list_group_gathers_once_per_forward(mesh) -> None:
+    """``fully_shard([norm, output])``: one gather for the group, as eager and torch."""
+    config = uneven_config()
+    models = {}
+    for impl in (fully_shard, torch_fully_shard):
+        torch.manual_seed(0)
+        model = Llama(config)
+        for block in model.layers:
+            impl(block, mesh=mesh)
+        impl([model.norm, model.output], mesh=mesh)
+        impl(model, mesh=mesh)
+        models[impl] = model
+    eager = _recorded(models[fully_shard])
+    assert eager == _recorded(models[torch_fully_shard])
+    torch.manual_seed(0)
+    graph_model = Llama(config)
+    for block in graph_model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard([graph_model.norm, graph_model.output], mesh=mesh)
+    fully_shard(graph_model, mesh=mesh)
+    forward, backward = _compiled_step_counts(graph_model, None)
+    # 4 groups gathered once each; blocks and the list group re-gather in backward.
+    assert forward == Counter(all_gather=4)
+    assert forward + backward == eager == Counter(all_gather=7, reduce_scatter=4)
+
+
+class _Twice(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(torch.relu(self.block(x))))
+
+
+def test_block_called_twice_is_reduced_once(mesh) -> None:
+    """A block called twice in one forward: its gradients are summed and reduced once
+    per step, as eager's and torch's (one reduce-scatter per group)."""
+    batch = torch.randn(4, 16)
+    reductions = {}
+    for impl in (fully_shard, torch_fully_shard):
+        torch.manual_seed(0)
+        model = _Twice()
+        impl(model.block, mesh=mesh)
+        impl(model, mesh=mesh)
+        reductions[impl] = _recorded_call(model, lambda m=model: m(batch).sum().backward())
+    assert reductions[fully_shard]["reduce_scatter"] == 2
+    assert reductions[fully_shard] == reductions[torch_fully_shard]
+    torch.manual_seed(0)
+    model = _Twice()
+    fully_shard(model.block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    forward, backward = _compiled_step_counts_of(model, batch)
+    assert forward == Counter(all_gather=2)  # the block once, reused by its second call
+    assert backward == Counter(all_gather=1, reduce_scatter=2)
+
+
+def test_hpz_keeps_one_kth_and_regathers_over_the_block(mesh) -> None:
+    """``reshard_after_forward=2`` at W=4: the forward gathers each block in two stages
+    (across the blocks of 2 ranks, then within its block); backward keeps the first
+    stage's output (half the unsharded bytes) and gathers again within the block only,
+    as eager's hpZ does (eager: one all-gather over 4 ranks in forward, one over 2 in
+    backward)."""
+    model = build_llama(uneven_config(), mesh, reshard_after_forward=2)
+    with C10dRecorder() as recorder:
+        _step(model)
+    eager = Counter((kind, size) for kind, size in _kinds_and_sizes(recorder))
+    assert eager[("all_gather", 4)] == 3 and eager[("all_gather", 2)] == 2, eager
+    graph_model = build_llama(uneven_config(), mesh, reshard_after_forward=2)
+    forward, backward = _compiled_step_counts(graph_model, None)
+    assert forward == Counter(all_gather=5)  # 2 stages x 2 blocks, the root once
+    assert backward == Counter(all_gather=2, reduce_scatter=3)
+
+
+def _kinds_and_sizes(recorder: C10dRecorder) -> list[tuple[str, int]]:
+    return [
+        (kind, _resolve_process_group(group).size())
+        for (kind, _), group in zip(recorder.records, recorder.groups, strict=True)
+    ]
 
 
 def test_a_pass_missing_from_this_torch_is_skipped_and_said_once(monkeypatch) -> None:

@@ -25,7 +25,7 @@ every key.
 """
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -48,11 +48,20 @@ class ErrorFeedback:
         self._residuals: dict[FSDPParam, torch.Tensor] = {}
 
     def clear(self) -> None:
+        """Drop every residual (another policy: other params, other formats)."""
         self._residuals.clear()
 
+    def zero(self) -> None:
+        """Restart every residual at zero, in place: graph mode's compiled backward
+        holds the same tensors (graph/gather.py)."""
+        for residual in self._residuals.values():
+            residual.zero_()
+
     def reset(self, fsdp_param: FSDPParam) -> None:
-        """Restart ``fsdp_param``'s residual at zero."""
-        self._residuals.pop(fsdp_param, None)
+        """Restart ``fsdp_param``'s residual at zero, in place (see `zero`)."""
+        residual = self._residuals.get(fsdp_param)
+        if residual is not None:
+            residual.zero_()
 
     def residual(self, fsdp_param: FSDPParam) -> torch.Tensor:
         """``fsdp_param``'s residual, zeros the first time."""
@@ -69,7 +78,7 @@ class ErrorFeedback:
         return self._residuals[fsdp_param]
 
     def residuals(
-        self, params: list[FSDPParam], is_quantized: list[bool]
+        self, params: Sequence[FSDPParam], is_quantized: Sequence[bool]
     ) -> list[torch.Tensor | None]:
         """Per param, its residual (zeros the first time), or None if it is exact."""
         return [

@@ -8,18 +8,27 @@ partial sum kept for later with ``set_requires_all_reduce(False)``), divides onc
 data parallel world size (or the user's factor), runs the user's all-reduce hook and
 lands each parameter's chunk on its sharded ``.grad``.
 
-Each job has its own module: grad_reduce_scatter.py (the issue), replica_reduction.py
-(HSDP's replicate axis), error_feedback.py, grad_landing.py (divide, hook, ``.grad``);
-this class holds the ``set_*`` knobs and the order.
+Each job has its own module: reduce_scatter.py (the issue), replica.py (HSDP's
+replicate axis), error_feedback.py, landing.py (divide, hook, ``.grad``); the
+arithmetic is comm_math.py's, shared with graph mode; this class holds the ``set_*``
+knobs, describes each reduction from them (comm_description.py) and keeps the order.
 """
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ...api import CommPrecisionPolicy, CPUOffloadPolicy, ReduceScatter
-from ..collectives import ReductionPlan
+from ..comm_description import (
+    ReductionDescription,
+    ReductionSettings,
+    describe_reduction,
+    quantizes_reduction,
+)
+from ..comm_strategies import DefaultReduceScatter, is_custom
 from ..mesh import MeshInfo
 from ..observer import (
     Collective,
@@ -35,14 +44,12 @@ from ..param import FSDPParam
 from ..scheduler import CommContext
 from ..streams import CommStreams, StreamRole
 from .error_feedback import ErrorFeedback
-from .landing import NO_OVERFLOW_RISK, land_sharded_grads, split_reduced
+from .landing import land_sharded_grads, split_reduced
 from .reduce_scatter import (
     IssuedReduceScatter,
     collect_grads,
     finish_any_reduce_scatter,
-    gradient_divisors,
     issue_reduce_scatter,
-    quantized_plan,
 )
 from .replica import (
     ReplicaAllReduce,
@@ -53,7 +60,8 @@ from .replica import (
 
 
 class GradientReduction:
-    """Reduces one group's gradients; holds the reduction's ``FSDPModule.set_*`` knobs."""
+    """Reduces one group's gradients; holds the reduction's ``FSDPModule.set_*`` knobs
+    (`settings`, replaced whole by `update`) and describes each reduction from them."""
 
     def __init__(
         self,
@@ -73,29 +81,80 @@ class GradientReduction:
         # CPU offload on an accelerator: the event after this backward's asynchronous
         # device-to-host grad copies; the host waits for it at the end of backward.
         self.offload_event: object | None = None
-        self.requires_all_reduce = True  # HSDP: all-reduce over the replicate axis
-        self.gradient_divide_factor: float | None = None
-        self.force_sum_reduction = False
-        self.custom_reduce_scatter: ReduceScatter | None = None
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.settings = ReductionSettings(
+            shard_group=mesh_info.shard_group,
+            replicate_group=mesh_info.replicate_group if mesh_info.is_hsdp else None,
+            shard_size=mesh_info.shard_size,
+            replicate_size=mesh_info.replicate_size,
+            device=mesh_info.device,
+            gradient_divide_factor=None,
+            force_sum_reduction=False,
+            strategy=DefaultReduceScatter(),
+            policy=None,
+            requires_all_reduce=True,  # HSDP: all-reduce over the replicate axis
+            hook=None,
+            offload=offload is not None,
+            reduce_unused=False,
+        )
         # set_all_reduce_hook(stream=): the accelerator stream the hook runs on; None: the
         # current one. Unused on the host.
         self.all_reduce_hook_stream: object | None = None
         # set_separate_reduce_scatter_group: a process group over the shard ranks for the
         # reduce-scatters alone; None: the shard group, shared with the all-gathers.
         self.separate_reduce_scatter_group: dist.ProcessGroup | None = None
-        self.reduce_scatter_unused_params = False
-        self.comm_precision: CommPrecisionPolicy | None = None
+        # The last description, with the settings and params it describes: a backward
+        # like the last one (the usual case) reuses it.
+        self._described: tuple[ReductionSettings, list[FSDPParam], ReductionDescription] | None
+        self._described = None
         # Its residuals are also state-dict entries (see [Note: error-feedback residuals
         # in state dicts] in error_feedback.py).
         self.error_feedback = ErrorFeedback()
 
+    # Settings #
+
+    def update(self, **changes: Any) -> None:
+        """Replace some of the settings (`ReductionSettings`' fields)."""
+        self.settings = dataclasses.replace(self.settings, **changes)
+
+    @property
+    def requires_all_reduce(self) -> bool:
+        return self.settings.requires_all_reduce
+
+    @property
+    def gradient_divide_factor(self) -> float | None:
+        return self.settings.gradient_divide_factor
+
+    @property
+    def force_sum_reduction(self) -> bool:
+        return self.settings.force_sum_reduction
+
+    @property
+    def reduce_scatter_comm(self) -> ReduceScatter:
+        """The group's reduce-scatter strategy (comm_strategies.py)."""
+        return self.settings.strategy
+
+    @property
+    def custom_reduce_scatter(self) -> ReduceScatter | None:
+        """A user's ``set_custom_reduce_scatter`` strategy, if set."""
+        strategy = self.settings.strategy
+        return strategy if is_custom(strategy) else None
+
+    @property
+    def all_reduce_hook(self) -> Callable[[torch.Tensor], None] | None:
+        return self.settings.hook
+
+    @property
+    def reduce_scatter_unused_params(self) -> bool:
+        return self.settings.reduce_unused
+
+    @property
+    def comm_precision(self) -> CommPrecisionPolicy | None:
+        return self.settings.policy
+
     @property
     def reduce_scatter_group(self) -> dist.ProcessGroup:
         """The process group the gradient reduce-scatters (and their checks) run on."""
-        if self.separate_reduce_scatter_group is not None:
-            return self.separate_reduce_scatter_group
-        return self.mesh_info.shard_group
+        return self.settings.shard_group
 
     def set_separate_reduce_scatter_group(
         self, enable: bool, new_groups: dict[tuple[int, ...], dist.ProcessGroup]
@@ -106,6 +165,7 @@ class GradientReduction:
         groups, so groups sharding over the same ranks share one new process group."""
         if not enable:
             self.separate_reduce_scatter_group = None
+            self.update(shard_group=self.mesh_info.shard_group)
             return
         ranks = tuple(dist.get_process_group_ranks(self.mesh_info.shard_group))
         if ranks not in new_groups:
@@ -119,42 +179,50 @@ class GradientReduction:
                 )
             )
         self.separate_reduce_scatter_group = new_groups[ranks]
+        self.update(shard_group=self.separate_reduce_scatter_group)
 
     def set_comm_precision(self, policy: CommPrecisionPolicy | None) -> None:
-        self.comm_precision = policy
+        self.update(policy=policy)
         self.error_feedback.clear()
 
     def discard_error_feedback(self) -> None:
         """After a failed iteration: its errors belong to gradients never applied."""
-        self.error_feedback.clear()
+        self.error_feedback.zero()
 
     def error_feedback_params(self) -> list[FSDPParam]:
         """The params whose reduce-scatter keeps an error-feedback residual under the
         current policy (those it quantizes), in the group's order."""
-        policy = self.comm_precision
+        settings = self.settings
+        policy = settings.policy
         if policy is None or not policy.error_feedback:
             return []
-        return [p for p in self.fsdp_params if self._quantizes(p, policy, replicate_leg=False)]
-
-    def _quantizes(
-        self, fsdp_param: FSDPParam, policy: CommPrecisionPolicy | None, *, replicate_leg: bool
-    ) -> bool:
-        """Whether ``fsdp_param``'s gradient travels encoded on the shard-axis
-        reduce-scatter, or with ``replicate_leg`` on HSDP's replicate all-reduce."""
-        return (
-            policy is not None
-            and policy.reduce_scatter is not None
-            and (
-                replicate_leg
-                or (
-                    not policy.replicate_only
-                    and self.custom_reduce_scatter is None
-                    and self.mesh_info.shard_size > 1  # one rank: nothing on the wire
-                )
+        return [
+            p
+            for p in self.fsdp_params
+            if quantizes_reduction(
+                policy,
+                p,
+                replicate_leg=False,
+                strategy=settings.strategy,
+                shard_size=settings.shard_size,
             )
-            and fsdp_param.reduce_dtype.is_floating_point
-            and policy.param_filter(fsdp_param.fqn, fsdp_param.sharded_param)
-        )
+        ]
+
+    def describe(self, params: list[FSDPParam]) -> ReductionDescription:
+        """The reduction of ``params``' gradients under the current settings: the last
+        one if neither changed since (comm_description.py)."""
+        described = self._described
+        if described is not None and described[0] is self.settings and described[1] == params:
+            return described[2]
+        description = describe_reduction(self.settings, params)
+        self._described = (self.settings, list(params), description)
+        return description
+
+    def forget_description(self) -> None:
+        """The params' dtypes changed (`FSDPParamGroup.reset_sharded_params`)."""
+        self._described = None
+
+    # Runtime #
 
     def take_grads(self) -> tuple[list[FSDPParam], list[torch.Tensor]]:
         """The group's params with a grad to reduce, and their unsharded grads (taken
@@ -185,55 +253,27 @@ class GradientReduction:
         # flight]).
         if make_room:
             ctx.make_room_for_reduce_scatter()
-        reduce_dtype = with_grad[0].reduce_dtype
-        plan = ReductionPlan.choose(
-            self.reduce_scatter_group,
-            self.mesh_info.replicate_group if self.mesh_info.is_hsdp else None,
-            self.mesh_info.device,
-            # fp16 could overflow while the collective sums: it pre-divides instead.
-            prefer_average=self.gradient_divide_factor is None
-            and not self.force_sum_reduction
-            and reduce_dtype in NO_OVERFLOW_RISK,
-            custom=self.custom_reduce_scatter,
-        )
-        # Read once: the whole reduction of this backward follows one policy.
-        policy = self.comm_precision
-        is_quantized = [self._quantizes(p, policy, replicate_leg=False) for p in with_grad]
-        plan = quantized_plan(plan, policy, is_quantized)
-        pre_divisor, post_divisor = gradient_divisors(
-            plan,
-            reduce_dtype,
-            self.gradient_divide_factor,
-            self.mesh_info.shard_size,
-            self.mesh_info.replicate_size,
-        )
+        description = self.describe(with_grad)
         watches: Watches = ()
         if observers:
-            taken_grads = UnshardedGrads([p.fqn for p in with_grad], grads, reduce_dtype)
+            taken_grads = UnshardedGrads(
+                [p.fqn for p in with_grad], grads, description.reduce_dtype
+            )
             watches = observe_issue(
                 observers, self._describe_reduce_scatter(fqn, ctx.streams, taken_grads)
             )
         residuals = (
-            self.error_feedback.residuals(with_grad, is_quantized)
-            if policy is not None and policy.error_feedback and any(is_quantized)
+            self.error_feedback.residuals(with_grad, description.quantized)
+            if description.error_feedback
             else None
         )
-        result = issue_reduce_scatter(
-            grads,
-            is_quantized,
-            reduce_dtype,
-            self.reduce_scatter_group,
-            plan,
-            pre_divisor,
-            policy,
-            residuals,
-        )
+        result = issue_reduce_scatter(grads, description, self.reduce_scatter_group, residuals)
         # HSDP: the all-reduce stream reads what compute wrote up to here (the
         # reduce-scatter input, which is its output at shard size 1; earlier partial
         # sums) and waits for this event first: a Work orders only the collective.
         written = ctx.streams.record_compute() if self.mesh_info.is_hsdp else None
         issued = IssuedReduceScatter(
-            result, with_grad, post_divisor, policy, fqn, observers, watches, written
+            result, with_grad, description, fqn, observers, watches, written
         )
         ctx.enqueue_reduce_scatter(
             lambda: self._finish(issued, ctx),
@@ -241,13 +281,13 @@ class GradientReduction:
         )
 
     def _finish(self, issued: IssuedReduceScatter, ctx: CommContext) -> None:
-        if self.mesh_info.is_hsdp and self.requires_all_reduce:
+        if issued.description.all_reduce:
             self._issue_all_reduce(issued, ctx)
             return
         self._wait_reduce_scatter(issued)  # on an accelerator, compute waits
         reduced = finish_any_reduce_scatter(issued.result)  # (sum of padded chunk numels,)
         if not self.mesh_info.is_hsdp:
-            self._land(issued.params, reduced, issued.post_divisor, ctx.streams)
+            self._land(issued.params, reduced, issued.description, ctx.streams)
             return
         for fsdp_param, chunk in zip(
             issued.params, split_reduced(reduced, issued.params), strict=True
@@ -279,7 +319,7 @@ class GradientReduction:
             pending = self._all_reduce_over_replicas(
                 dict(zip(issued.params, split_reduced(reduced, issued.params), strict=True)),
                 average=issued.result.plan.average_in_all_reduce,
-                policy=issued.policy,
+                policy=issued.description.policy,
                 observers=issued.observers,
                 fqn=issued.fqn,
                 ctx=ctx,
@@ -287,36 +327,31 @@ class GradientReduction:
         # Compute frees what the all-reduce stream read: the reduce-scatter's buffers and
         # the partial sums of micro-batches without all-reduce.
         streams.join(StreamRole.ALL_REDUCE)
-        # The closure holds the divisor, not `issued`: that would keep the reduce-scatter's
-        # input (and output) alive until the all-reduce lands, two inputs at once.
-        post_divisor = issued.post_divisor
+        # The closure holds the description, not `issued`: that would keep the
+        # reduce-scatter's input (and output) alive until the all-reduce lands, two
+        # inputs at once.
+        description = issued.description
         ctx.enqueue_all_reduce(
-            lambda: self._land_all_reduced(pending, post_divisor, streams), pending.wait
+            lambda: self._land_all_reduced(pending, description, streams), pending.wait
         )
 
     def _land_all_reduced(
-        self, pending: ReplicaAllReduce, post_divisor: float, streams: CommStreams
+        self, pending: ReplicaAllReduce, description: ReductionDescription, streams: CommStreams
     ) -> None:
         params, reduced = finish_replica_all_reduce(pending)  # read on the compute stream
         # The all-reduce stream may reuse its buffers once compute has read them.
         streams.wait_for_compute(StreamRole.ALL_REDUCE)
-        self._land(params, reduced, post_divisor, streams)
+        self._land(params, reduced, description, streams)
 
     def _land(
         self,
         params: list[FSDPParam],
         reduced: torch.Tensor,
-        post_divisor: float,
+        description: ReductionDescription,
         streams: CommStreams,
     ) -> None:
         event = land_sharded_grads(
-            params,
-            reduced,
-            post_divisor,
-            self.force_sum_reduction,
-            (self.all_reduce_hook, self.all_reduce_hook_stream),
-            streams,
-            self.offload,
+            params, reduced, description, self.all_reduce_hook_stream, streams, self.offload
         )
         if event is not None:
             self.offload_event = event
@@ -342,7 +377,7 @@ class GradientReduction:
         watches: Watches = ()
         if observers:
             watches = observe_issue(observers, self._describe_all_reduce(fqn, ctx.streams, parts))
-        is_quantized = [self._quantizes(p, policy, replicate_leg=True) for p in params]
+        is_quantized = [quantizes_reduction(policy, p, replicate_leg=True) for p in params]
         return issue_replica_all_reduce(
             params, parts, is_quantized, self.mesh_info.replicate_group, average, policy, watches
         )

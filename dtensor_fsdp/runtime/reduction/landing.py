@@ -10,11 +10,10 @@ from collections.abc import Callable
 import torch
 
 from ...api import CPUOffloadPolicy
+from ..comm_description import ReductionDescription
+from ..comm_math import finish_reduced, sharded_grads
 from ..param import FSDPParam
 from ..streams import CommStreams
-
-# Reduce dtypes whose range lets the collective sum before dividing.
-NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16)
 
 
 def split_reduced(reduced: torch.Tensor, params: list[FSDPParam]) -> tuple[torch.Tensor, ...]:
@@ -25,18 +24,18 @@ def split_reduced(reduced: torch.Tensor, params: list[FSDPParam]) -> tuple[torch
 def land_sharded_grads(
     params: list[FSDPParam],
     reduced: torch.Tensor,
-    post_divisor: float,
-    force_sum_reduction: bool,
-    hook: tuple[Callable[[torch.Tensor], None] | None, object | None],
+    description: ReductionDescription,
+    hook_stream: object | None,
     streams: CommStreams,
     offload: CPUOffloadPolicy | None,
 ) -> object | None:
-    """Divide once and run the user's hook (in torch's order), and land each param's
-    chunk on its ``.grad``.
+    """Divide once and run the user's hook (in torch's order: `comm_math.finish_reduced`),
+    and land each param's chunk on its ``.grad``.
 
     Args:
         reduced: (sum of padded chunk numels,), the params' chunks in their order.
-        hook: the user's all-reduce hook and the stream it runs on (None: the current).
+        description: the reduction's (its divisor and hook).
+        hook_stream: the stream the user's hook runs on (None: the current).
         offload: CPU offload's policy, if on: the sharded grads land in host memory
             (asynchronously only with ``pin_memory``, see `accumulate_sharded_grad`).
 
@@ -44,21 +43,20 @@ def land_sharded_grads(
         The event after asynchronous device-to-host copies (the host waits for it at
         the end of backward), or None if none is running.
     """
-    # The hook sees what torch's sees: torch divides inside the collective (AVG,
-    # PREMUL_SUM) for fp32/bf16 unless sums are forced, and after the hook otherwise.
-    divided_in_collective = not force_sum_reduction and reduced.dtype in NO_OVERFLOW_RISK
-    if post_divisor != 1.0 and divided_in_collective:
-        reduced.div_(post_divisor)
-    all_reduce_hook, hook_stream = hook
-    if all_reduce_hook is not None:
-        with streams.on_user_stream(hook_stream):
-            all_reduce_hook(reduced)
-    if post_divisor != 1.0 and not divided_in_collective:
-        reduced.div_(post_divisor)
+    user_hook = description.hook
+    hook: Callable[[torch.Tensor], None] | None = None
+    if user_hook is not None:
+
+        def hook(tensor: torch.Tensor) -> None:
+            with streams.on_user_stream(hook_stream):
+                user_hook(tensor)
+
+    finish_reduced(reduced, description.post_divisor, description.divided_in_collective, hook)
     to_host = streams.copy_to_host if offload is not None else None
     pin_memory = offload is not None and offload.pin_memory
+    locals_ = sharded_grads(reduced, [p.geometry for p in params])
     copying = [
-        fsdp_param.accumulate_sharded_grad(chunk, to_host, pin_memory)
-        for fsdp_param, chunk in zip(params, split_reduced(reduced, params), strict=True)
+        fsdp_param.accumulate_sharded_grad(local, to_host, pin_memory)
+        for fsdp_param, local in zip(params, locals_, strict=True)
     ]
     return streams.record_compute() if any(copying) else None

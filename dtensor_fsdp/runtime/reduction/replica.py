@@ -18,6 +18,7 @@ from ..collectives import (
     finish_quantized_all_reduce,
     quantized_all_reduce,
 )
+from ..comm_math import merge_replica_sums, replica_input, split_replica_parts
 from ..observer import Watches, begin_wait, end_wait, wait_work
 from ..param import FSDPParam
 
@@ -51,8 +52,7 @@ def take_replica_parts(
     params = [p for p in group_params if p in chunks or p.partial_reduced_grad is not None]
     parts = []
     for fsdp_param in params:
-        chunk, partial = chunks.get(fsdp_param), fsdp_param.partial_reduced_grad
-        parts.append(chunk if partial is None else partial if chunk is None else partial + chunk)
+        parts.append(replica_input(chunks.get(fsdp_param), fsdp_param.partial_reduced_grad))
         fsdp_param.partial_reduced_grad = None
     return params, parts
 
@@ -73,12 +73,10 @@ def issue_replica_all_reduce(
         average: the exact all-reduce averages (``ReduceOp.AVG``).
         watches: the group's observers' watches of it (runtime/observer.py).
     """
-    exact = [t for t, q in zip(parts, is_quantized, strict=True) if not q]
-    quantized = [t for t, q in zip(parts, is_quantized, strict=True) if q]
-    exact_flat, exact_work, quantized_result = None, None, None
+    exact_flat, exact_numels, quantized = split_replica_parts(parts, is_quantized)
+    exact_work, quantized_result = None, None
     nbytes = 0
-    if exact:
-        exact_flat = torch.cat(exact)  # (exact padded chunk numels,)
+    if exact_flat is not None:
         exact_work = all_reduce(exact_flat, group, average)
         nbytes += exact_flat.nbytes
     if quantized:
@@ -88,7 +86,7 @@ def issue_replica_all_reduce(
         )
         nbytes += quantized_result.nbytes
     return ReplicaAllReduce(
-        params, is_quantized, [t.numel() for t in exact], exact_flat, exact_work,
+        params, is_quantized, exact_numels, exact_flat, exact_work,
         quantized_result, watches, nbytes,
     )  # fmt: skip
 
@@ -98,18 +96,13 @@ def finish_replica_all_reduce(pending: ReplicaAllReduce) -> tuple[list[FSDPParam
     their reduced chunks, one 1-D buffer in the params' order."""
     if pending.watches:
         begin_wait(pending.watches)
-    exact: list[torch.Tensor] = []
-    if pending.exact_flat is not None:
-        if pending.exact_work is not None:
-            wait_work(pending.exact_work, pending.watches)
-        exact = list(pending.exact_flat.split(pending.exact_numels))
+    exact_flat = pending.exact_flat
+    if exact_flat is not None and pending.exact_work is not None:
+        wait_work(pending.exact_work, pending.watches)
     quantized: list[torch.Tensor] = []
     if pending.quantized is not None:
         quantized = finish_quantized_all_reduce(pending.quantized)
     if pending.watches:
         end_wait(pending.watches, pending.nbytes, "backward")
-    exact_iter, quantized_iter = iter(exact), iter(quantized)
-    flat = torch.cat(
-        [next(quantized_iter) if q else next(exact_iter) for q in pending.is_quantized]
-    )  # (sum of padded chunk numels,)
-    return pending.params, flat
+    flat = merge_replica_sums(exact_flat, pending.exact_numels, quantized, pending.is_quantized)
+    return pending.params, flat  # (sum of padded chunk numels,)

@@ -23,13 +23,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from dtensor_fsdp import fully_shard
-from dtensor_fsdp.runtime.collectives import (
-    ReductionPlan,
-    all_reduce,
-    copy_in_grads,
-    finish_reduce_scatter,
-    reduce_scatter,
-)
+from dtensor_fsdp.runtime.collectives import all_reduce, finish_reduce_scatter, reduce_scatter
+from dtensor_fsdp.runtime.comm_description import ReductionPlan
+from dtensor_fsdp.runtime.comm_math import copy_in_grads
+from dtensor_fsdp.runtime.comm_strategies import DefaultReduceScatter
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
 from tests._parity import local_pairs, make_optimizer
@@ -62,7 +59,9 @@ def _expected_chunk(rank: int, world_size: int) -> torch.Tensor:
 def _reduce(plan: ReductionPlan) -> dict[str, torch.Tensor]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     reduce_input = copy_in_grads(_rank_grads(rank), torch.float32, world_size)
-    result = reduce_scatter(reduce_input, dist.group.WORLD, plan, async_op=True)
+    result = reduce_scatter(
+        reduce_input, dist.group.WORLD, plan, DefaultReduceScatter(), async_op=True
+    )
     if result.work is not None:
         result.work.wait()
     return {"got": finish_reduce_scatter(result), "sum": _expected_chunk(rank, world_size)}

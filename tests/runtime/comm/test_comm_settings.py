@@ -8,9 +8,9 @@ ours, 2 gloo ranks, the 3-group MLP of test_comm.py:
   ``recurse=False`` sets one module, a second call keeps the group, ``False`` reverts.
   Gradients and parameters bitwise equal to torch's.
 - ``set_allocate_memory_from_process_group_for_comm`` and ``set_symm_mem_for_comm``:
-  accepted; training is bitwise the same as torch's without them (gloo has no allocator
-  of its own, so torch's allocation falls back to the usual one; torch's CPU build
-  refuses symmetric memory, ours ignores it).
+  both install torch's strategies; training is bitwise torch's (gloo has no allocator
+  of its own, so both allocations fall back to the usual one; this CPU build refuses
+  symmetric memory, with torch's error).
 - ``set_all_reduce_hook(hook, stream=)``: on the host the stream changes nothing; the
   hook scales the reduced gradients exactly as torch's does. A non-linear hook sees
   what torch's sees: the averaged gradients, or with
@@ -114,20 +114,22 @@ def _separate_group(rank: int, mesh: DeviceMesh) -> dict[str, Any]:
 
 
 def _accepted_setters(rank: int, mesh: DeviceMesh) -> dict[str, Any]:
-    """Ours with the NCCL-only setters, against torch's without them (its CPU build
-    refuses symmetric memory)."""
+    """The NCCL-only setters on both: symmetric memory refused by this CPU build (the
+    same error), the process group's allocator installed (gloo has none: the usual
+    allocation, the same training)."""
     base = mlp()
     models = {impl: shard_mlp(copy.deepcopy(base), mesh, shard=s) for impl, s in IMPLS.items()}
-    for module in (models["ours"], models["ours"][0], models["ours"][2]):
-        module.set_allocate_memory_from_process_group_for_comm(True)
-        module.set_symm_mem_for_comm()
-    try:  # first: after the other, torch takes its all-gather for a custom one
-        models["torch"].set_symm_mem_for_comm()
-        torch_symm_mem = None
-    except RuntimeError as error:
-        torch_symm_mem = str(error)
-    models["torch"].set_allocate_memory_from_process_group_for_comm(True)
-    return {"torch_symm_mem": torch_symm_mem, "records": _train(models, rank)}
+    errors = {}
+    for impl, model in models.items():
+        modules = (model, model[0], model[2]) if impl == "ours" else (model,)
+        for module in modules:
+            try:
+                module.set_symm_mem_for_comm()
+                errors[impl] = None
+            except RuntimeError as error:
+                errors[impl] = str(error).splitlines()[0]
+            module.set_allocate_memory_from_process_group_for_comm(True)
+    return {"symm_mem_errors": errors, "records": _train(models, rank)}
 
 
 def _hook_with_stream(rank: int, mesh: DeviceMesh) -> dict[str, Any]:
@@ -213,11 +215,11 @@ def test_separate_reduce_scatter_group_moves_every_reduction_like_torchs(run) ->
         _assert_bitwise(rec["records"], rank)
 
 
-def test_process_group_and_symmetric_memory_allocation_are_accepted(run) -> None:
+def test_process_group_and_symmetric_memory_allocation_as_torchs(run) -> None:
     for rank, rec in enumerate(scenario_records(run, "accepted_setters")):
-        assert "SymmetricMemory does not find allocation backend NCCL" in (
-            rec["torch_symm_mem"] or ""
-        ), f"torch's premise: {rec['torch_symm_mem']}"
+        errors = rec["symm_mem_errors"]
+        assert errors["torch"] == "SymmetricMemory does not find allocation backend NCCL", errors
+        assert errors["ours"] == errors["torch"], errors
         _assert_bitwise(rec["records"], rank)
 
 

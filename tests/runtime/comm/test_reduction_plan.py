@@ -12,9 +12,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
-from dtensor_fsdp.runtime.collectives import ReductionPlan
+from dtensor_fsdp.runtime.comm_description import ReductionPlan, gradient_divisors
 from dtensor_fsdp.runtime.mesh import backend_for, mesh_info_for
-from dtensor_fsdp.runtime.reduction.reduce_scatter import gradient_divisors
 from tests._harness import fake_mesh
 
 CPU = torch.device("cpu")

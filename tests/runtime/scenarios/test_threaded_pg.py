@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
 
 from dtensor_fsdp import CollectiveMismatchError, fully_shard, share_comm_ctx
-from dtensor_fsdp.runtime.collectives import ReductionPlan
+from dtensor_fsdp.runtime.comm_description import ReductionPlan
 from tests._harness import FSDPTestMultiThread
 from tests._mlp import shard_mlp
 from tests._parity import make_optimizer
