@@ -34,6 +34,7 @@ from dtensor_fsdp import CommPrecisionPolicy, MixedPrecisionPolicy, fully_shard
 from dtensor_fsdp.comm_precision.wire_format import WireLayout, decode, encode
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import WorkerPool
 
 WORLD_SIZE = 2
 HSDP_REPLICATE, HSDP_SHARD = 2, 2
@@ -407,8 +408,8 @@ def _expected_ops(
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=180)
+def run(gloo_pool: WorkerPool) -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=180, pool=gloo_pool)
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,7 @@ from dtensor_fsdp import (
 )
 from dtensor_fsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import WorkerPool
 
 WORLD_SIZE = 2
 STEPS, RESUME_AT = 6, 3
@@ -345,8 +346,8 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def run(tmp: str) -> Run:
-    return run_distributed(_worker, WORLD_SIZE, tmp, timeout=240)
+def run(tmp: str, gloo_pool: WorkerPool) -> Run:
+    return run_distributed(_worker, WORLD_SIZE, tmp, timeout=240, pool=gloo_pool)
 
 
 @pytest.fixture(scope="module")
