@@ -71,9 +71,6 @@ _GRACE_AFTER_ERROR_S = 2.0
 _SCENARIO_SYNC_TIMEOUT_S = 30.0
 
 
-# Imported by inductor's backend at its first compile (not by dynamo, aot_eager or
-# inductor's config): a module newly in sys.modules means inductor compiled.
-INDUCTOR_COMPILE = "torch._inductor.compile_fx"
 
 
 class DistributedError(RuntimeError):
@@ -98,7 +95,7 @@ class _RunningTest:
     nodeid: str = ""
     # Outside a test (a script importing the harness, collection) nothing is refused.
     is_full: bool = True
-    had_inductor: bool = False  # whether this process had compiled with inductor before
+    inductor_graphs: int = 0  # `inductor_graphs()` at the test's setup
 
 
 _running = _RunningTest()
@@ -107,13 +104,21 @@ _running = _RunningTest()
 def set_running_test(nodeid: str, is_full: bool) -> None:
     """tests/conftest.py, at each test's setup: whether it is marked ``full``."""
     _running.nodeid, _running.is_full = nodeid, is_full
-    _running.had_inductor = INDUCTOR_COMPILE in sys.modules
+    _running.inductor_graphs = inductor_graphs()
+
+
+def inductor_graphs() -> int:
+    """How many graphs inductor compiled or loaded from its cache in this process: its
+    code cache's modules (kept across ``torch._dynamo.reset()``; not counting a backend
+    built or a config read, nor aot_eager's graphs; 0 before inductor is imported)."""
+    codecache = sys.modules.get("torch._inductor.codecache")
+    return len(codecache.PyCodeCache.modules) if codecache is not None else 0
 
 
 def check_no_inductor_compile() -> None:
     """tests/conftest.py, after each test: `require_full` if it compiled with inductor
     in this process (fixtures included)."""
-    if not _running.had_inductor and INDUCTOR_COMPILE in sys.modules:
+    if inductor_graphs() != _running.inductor_graphs:
         require_full("compiles with inductor")
 
 
@@ -337,7 +342,7 @@ def run_in_group(
     ``("error", traceback)``. The group is left for the caller to destroy. Tells the
     parent first if inductor compiled (for `require_full`)."""
     global _child
-    had_inductor = INDUCTOR_COMPILE in sys.modules
+    graphs = inductor_graphs()
     try:
         store = dist.FileStore(store_path, world_size)
         _child = _Child(conn, store)
@@ -347,7 +352,7 @@ def run_in_group(
         message = ("error", traceback.format_exc())
     finally:
         _child = None
-    if not had_inductor and INDUCTOR_COMPILE in sys.modules:
+    if inductor_graphs() != graphs:
         send(conn, ("inductor", None))
     return message
 
