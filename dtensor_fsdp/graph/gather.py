@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
+
+from ..runtime.profiler_labels import label
 
 _ops = torch.ops._c10d_functional
 
@@ -63,6 +66,7 @@ class GatherSpec:
     group: str  # the shard axis' process group name
     world_size: int
     reduction: ReductionSpec
+    fqn: str = ""  # the FSDP group's, for its profiler labels
 
     @property
     def all_gather_nbytes(self) -> int:
@@ -89,9 +93,12 @@ def gather(
     ``accumulator`` (a leaf: autograd sums them over the micro-batches, as eager sums
     its unsharded grads). The syncing micro-batch passes that sum as ``pending``: it is
     added before the reduction, in eager's order."""
-    if not torch.is_grad_enabled() or not any(s.requires_grad for s in spec.shards):
-        return all_gather(spec, locals_)  # nothing to differentiate: no autograd node
-    return GroupGather.apply(spec, sync, accumulator, pending, *locals_)
+    # Kept in the graph only if dynamo is told to (capture_profiler_record_function):
+    # see [Note: profiler labels] (runtime/profiler_labels.py).
+    with record_function(label("all_gather", spec.fqn)):
+        if not torch.is_grad_enabled() or not any(s.requires_grad for s in spec.shards):
+            return all_gather(spec, locals_)  # nothing to differentiate: no autograd node
+        return GroupGather.apply(spec, sync, accumulator, pending, *locals_)
 
 
 def all_gather(spec: GatherSpec, locals_: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -150,7 +157,8 @@ class GroupGather(torch.autograd.Function):
         unused = (None,) * len(grads)
         if not ctx.sync:
             return (None, None, reduce_input.reshape(-1), None, *unused)
-        return (None, None, None, None, *_reduced_shards(reduce_input, spec, grads))
+        with record_function(label("post_backward_reduce", spec.fqn)):
+            return (None, None, None, None, *_reduced_shards(reduce_input, spec, grads))
 
 
 def _reduced_shards(

@@ -200,6 +200,7 @@ def _module_gather(state: FSDPState, module: nn.Module, is_root: bool) -> Module
             group=group.mesh_info.shard_group.group_name,
             world_size=group.mesh_info.shard_size,
             reduction=_reduction_spec(group, params),
+            fqn=group.fqn,
         )
         bound = tuple(BoundParam(tuple((s.module, s.name) for s in p.slots), p) for p in params)
         # lazy_init already cleared it for a root left to decide (torch's default).
