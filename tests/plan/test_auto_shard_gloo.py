@@ -111,7 +111,8 @@ def runs(auto: AutoPlan, gloo_pool: WorkerPool) -> list[dict[str, Any]]:
 
 def _totals(records: list[tuple[str, int]]) -> dict[str, tuple[int, int]]:
     """``{kind: (count, bytes)}``; ours' gloo reduce-scatter is an all-to-all of the
-    same buffer (TORCH_NOTES.md), torch's a reduce_scatter: one kind here."""
+    same buffer (gloo's reduce_scatter_tensor is a full all-reduce plus a copy-out,
+    twice a ring's traffic), torch's a reduce_scatter: one kind here."""
     out: dict[str, tuple[int, int]] = {}
     for kind, size in records:
         kind = "reduce_scatter" if kind == "all_to_all" else kind
