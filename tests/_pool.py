@@ -11,9 +11,9 @@ What a run finds is what a fresh spawn would give it:
 - a process group of its own: a new ``FileStore`` in a new temp directory, joined
   before ``fn`` and destroyed after it (with every group ``fn`` made);
 - the process state a spawn starts with, restored before each run (`_ProcessState`:
-  RNG states, default dtype, grad mode, deterministic algorithms, thread count,
-  environment, working directory, warning filters and their "once" registries,
-  dynamo's caches and counters);
+  RNG states, default dtype, grad and anomaly modes, deterministic algorithms, fp32
+  matmul precision, thread count, environment, working directory, ``sys.path``,
+  warning filters and their "once" registries, dynamo's caches and counters);
 - no leftovers of a failed run: after an error or a timeout the workers are killed and
   the next run spawns a fresh pair, and a worker that finds Python threads or a
   process group still alive after a run it passed (a watchdog, an async checkpoint
@@ -173,8 +173,10 @@ class _ProcessState:
     python_rng: object
     default_dtype: torch.dtype
     deterministic: bool
+    matmul_precision: str
     environ: dict[str, str]
     cwd: str
+    path: list[str]
     warning_filters: list
     threads: frozenset[int]  # idents of the Python threads alive at spawn
 
@@ -185,8 +187,10 @@ class _ProcessState:
             random.getstate(),
             torch.get_default_dtype(),
             torch.are_deterministic_algorithms_enabled(),
+            torch.get_float32_matmul_precision(),
             dict(os.environ),
             os.getcwd(),
+            list(sys.path),
             list(warnings.filters),
             frozenset(t.ident for t in threading.enumerate()),
         )
@@ -196,11 +200,14 @@ class _ProcessState:
         random.setstate(self.python_rng)
         torch.set_default_dtype(self.default_dtype)
         torch.use_deterministic_algorithms(self.deterministic)
+        torch.set_float32_matmul_precision(self.matmul_precision)
         torch.set_grad_enabled(True)
+        torch.autograd.set_detect_anomaly(False)
         torch.set_num_threads(1)  # as run_distributed's default threads_per_rank
         os.environ.clear()
         os.environ.update(self.environ)
         os.chdir(self.cwd)
+        sys.path[:] = self.path
         warnings.filters[:] = self.warning_filters
         # Forget which warnings were shown once: a run expecting one must see it.
         warnings._filters_mutated()

@@ -8,6 +8,7 @@ failure costs a spawn).
 """
 
 import os
+import sys
 import threading
 import time
 import warnings
@@ -41,6 +42,8 @@ def _state(rank: int, world_size: int) -> dict[str, Any]:
         "groups": len(dist.distributed_c10d._world.pg_map),
         "dtype": torch.get_default_dtype(),
         "grad": torch.is_grad_enabled(),
+        "matmul": torch.get_float32_matmul_precision(),
+        "path": list(sys.path),
         "threads": torch.get_num_threads(),
         "rand": torch.rand(3).tolist(),
         "env": os.environ.get("DTENSOR_FSDP_POOL_TEST"),
@@ -53,6 +56,8 @@ def _dirty(rank: int, world_size: int, tmp: str) -> int:
     """Leave everything a run could leave behind, short of a thread."""
     torch.set_default_dtype(torch.float64)
     torch.set_grad_enabled(False)
+    torch.set_float32_matmul_precision("medium")
+    sys.path.insert(0, tmp)
     torch.set_num_threads(2)
     torch.manual_seed(1234 + rank)
     os.environ["DTENSOR_FSDP_POOL_TEST"] = "dirty"
