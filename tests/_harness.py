@@ -71,8 +71,6 @@ _GRACE_AFTER_ERROR_S = 2.0
 _SCENARIO_SYNC_TIMEOUT_S = 30.0
 
 
-
-
 class DistributedError(RuntimeError):
     """A child rank raised, died without reporting, or the run timed out."""
 
@@ -146,7 +144,7 @@ def run_distributed(
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT_S,
     threads_per_rank: int = 1,
-    pool: "Pool | None" = None,
+    pool: Pool | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
 
