@@ -29,8 +29,19 @@ TESTS = Path(__file__).parent
 # parity file per behaviour, the list of docs/testing.md: test_training (2 ranks),
 # comm/test_comm, test_mixed_precision, test_accumulation, io/test_state_dict (one
 # world size), observe/test_checks, optim/test_optim_local_shards_gloo (2 ranks) and
-# graph/test_graph_numerics on aot_eager. Every other file that spawns ranks is here.
+# graph/test_graph_numerics on aot_eager. Every other test that starts processes is here.
 FULL_PATHS = (
+    # Fresh interpreters (subprocess) and the GPU check's own ranks.
+    "api/test_default_process_group.py",
+    "api/test_fake_backend.py",
+    "plan/test_peak_module.py",
+    "plan/test_plan.py::test_cli_tiny_json",
+    "tools/test_gpu_check.py::test_skips_cleanly_without_cuda",
+    "tools/test_gpu_check.py::test_nothing_imported_needs_expecttest",
+    "tools/test_gpu_check.py::test_a_hung_or_raising_row_is_stopped",
+    "tools/test_gpu_check.py::test_a_mismatching_study_fails",
+    "tools/test_gpu_check.py::test_gloo_row_on_cpu_tensors",
+    # Ranks of their own: 1, 3 or 4, or 2 beyond the fast tier's parity files.
     "comm_precision/test_comm_precision.py",
     "comm_precision/test_comm_precision_checkpoint.py",
     "comm_precision/test_comm_precision_combos.py",
