@@ -8,10 +8,11 @@ Parent side:
   order. A child's exception is re-raised in the parent with the rank and the child's
   traceback; a run past ``timeout`` kills every child and fails, naming what each rank
   was doing last, so no test hangs.
-- ``run_distributed(fn, 2, *args, pool=gloo_pool)``: the same run on the session's
-  two reusable gloo ranks (tests/_pool.py, torch's ``MultiProcContinuousTest`` idea),
-  spawned once for every test file that passes the ``gloo_pool`` fixture: each run
-  gets a fresh process group and the process state a fresh spawn would have.
+- ``run_distributed(fn, world_size, *args, pool=gloo_pool)``: the same run on the
+  session's reusable gloo ranks (tests/_pool.py, torch's ``MultiProcContinuousTest``
+  idea: 2 or 4 of them), spawned once for every test file that passes the
+  ``gloo_pool`` fixture: each run gets a fresh process group and the process state a
+  fresh spawn would have.
 - ``scenario_records(run, name)`` picks one scenario's records out of a run of
   ``run_scenarios`` and fails the calling test with the traceback if it raised.
 - ``fake_mesh(world_size)`` builds a 1D CPU ``DeviceMesh`` of any size in this one
@@ -75,12 +76,14 @@ class DistributedError(RuntimeError):
     """A child rank raised, died without reporting, or the run timed out."""
 
 
-class Pool(Protocol):
-    """Reusable ranks (tests/_pool.py's `WorkerPool`)."""
+class Pools(Protocol):
+    """Reusable ranks (tests/_pool.py's `GlooPools`)."""
 
-    world_size: int
+    def serves(self, world_size: int) -> bool: ...
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float) -> list[Any]: ...
+    def run(
+        self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
+    ) -> list[Any]: ...
 
 
 # ---------------------------------------------------------------------------
@@ -144,7 +147,7 @@ def run_distributed(
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT_S,
     threads_per_rank: int = 1,
-    pool: Pool | None = None,
+    pool: Pools | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
 
@@ -155,8 +158,9 @@ def run_distributed(
         timeout: seconds for the whole run, spawn included.
         threads_per_rank: ``torch.set_num_threads`` in each child, so that ranks do not
             oversubscribe the cores.
-        pool: the session's ``gloo_pool`` fixture (tests/_pool.py): a run of its world
-            size (2) and one thread per rank runs on its workers instead of new ones.
+        pool: the session's ``gloo_pool`` fixture (tests/_pool.py): a run of a world
+            size it serves (2, 4) and one thread per rank runs on its workers instead
+            of new ones.
 
     Returns:
         Each rank's return value, indexed by rank.
@@ -166,10 +170,10 @@ def run_distributed(
             exit code if it died without reporting, or the silent ranks (and their last
             progress report) on timeout.
     """
-    if pool is not None and world_size == pool.world_size and threads_per_rank == 1:
-        return pool.run(fn, *args, timeout=timeout)
     if world_size >= 4:
         require_full(f"spawns {world_size} ranks")
+    if pool is not None and pool.serves(world_size) and threads_per_rank == 1:
+        return pool.run(fn, world_size, *args, timeout=timeout)
     ctx = mp.get_context("spawn")
     store_dir = tempfile.mkdtemp(prefix="dtensor_fsdp_store_")
     store_path = os.path.join(store_dir, "store")

@@ -1,10 +1,12 @@
-"""WorkerPool: two gloo ranks spawned once per session, reused by many test files.
+"""GlooPools: gloo ranks spawned once per session, reused by many test files.
 
 Spawning a rank costs an interpreter, torch's import and the test module's imports:
-seconds on two cores, paid per file by ``run_distributed``. The pool (torch's
-``MultiProcContinuousTest`` idea) spawns its two workers at the first ``run`` and keeps
+seconds on two cores, paid per file by ``run_distributed``. A `WorkerPool` (torch's
+``MultiProcContinuousTest`` idea) spawns its W workers at its first ``run`` and keeps
 them; ``run(fn, *args)`` sends them the function (by reference, as a spawn does) and
-returns what ``run_distributed(fn, 2, *args)`` would.
+returns what ``run_distributed(fn, W, *args)`` would. The session's `GlooPools` (the
+``gloo_pool`` fixture) keeps one pool of 2 ranks and one of 4, each started at its
+first use.
 
 What a run finds is what a fresh spawn would give it:
 
@@ -19,9 +21,10 @@ What a run finds is what a fresh spawn would give it:
   process group still alive after a run it passed (a watchdog, an async checkpoint
   writer) retires itself the same way.
 
-What it cannot reset is why some files keep ``run_distributed``: modules imported
-once stay imported (a test of import side effects), process-wide registrations
-(a renamed PrivateUse1 device, a framework's global state), and 1, 3 or 4 ranks.
+What it cannot reset is why some files keep ``run_distributed``'s spawns: modules
+imported once stay imported (a test of import side effects), process-wide
+registrations (a renamed PrivateUse1 device, a framework's global state); and 1 or 3
+ranks, too rare to keep workers for.
 """
 
 import gc
@@ -45,27 +48,55 @@ import torch.multiprocessing as mp
 
 from tests._harness import DEFAULT_TIMEOUT_S, collect, run_in_group, send, stop
 
-WORLD_SIZE = 2
+# How long the workers may take to start (interpreters, torch's import), apart from a
+# run's own timeout: on a loaded machine this alone can take minutes.
+_START_TIMEOUT_S = 600.0
 # How long a worker waits for a run's Python threads to end before retiring.
 _THREAD_GRACE_S = 2.0
 
 
-class WorkerPool:
-    """Two gloo worker processes, spawned at the first `run` and reused after it."""
+class GlooPools:
+    """The session's pools: one per world size it serves, started at its first run."""
 
-    world_size = WORLD_SIZE
+    WORLD_SIZES = (2, 4)
 
     def __init__(self) -> None:
+        self._pools: dict[int, WorkerPool] = {}
+
+    def serves(self, world_size: int) -> bool:
+        return world_size in self.WORLD_SIZES
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        *args: Any,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> list[Any]:
+        """``fn(rank, world_size, *args)`` on the pool of ``world_size`` ranks."""
+        pool = self._pools.setdefault(world_size, WorkerPool(world_size))
+        return pool.run(fn, *args, timeout=timeout)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+
+class WorkerPool:
+    """``world_size`` gloo worker processes, spawned at the first `run` and reused."""
+
+    def __init__(self, world_size: int = 2) -> None:
+        self.world_size = world_size
         self._procs: list[mp.Process] = []
         self._jobs: list[Connection] = []  # parent -> worker, by rank
         self._results: dict[Connection, int] = {}  # worker -> parent
-        self.spawns = 0  # worker pairs started this session (a fresh pair after a failure)
+        self.spawns = 0  # how often the workers were started (afresh after a failure)
         self.runs = 0
 
     def run(
         self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S
     ) -> list[Any]:
-        """``fn(rank, 2, *args)`` on both workers; each rank's return value, by rank.
+        """``fn(rank, world_size, *args)`` on the workers; each rank's result, by rank.
 
         Args and raises as ``run_distributed`` (timeout: for this run alone).
         """
@@ -84,17 +115,17 @@ class WorkerPool:
         finally:
             shutil.rmtree(store_dir, ignore_errors=True)
         if outcome.errors or outcome.retired:
-            self.close(patience_s=0.0 if outcome.errors else 5.0)  # a fresh pair next run
-        return outcome.results_or_raise(WORLD_SIZE)
+            self.close(patience_s=0.0 if outcome.errors else 5.0)  # fresh workers next run
+        return outcome.results_or_raise(self.world_size)
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        for rank in range(WORLD_SIZE):
+        for rank in range(self.world_size):
             job_recv, job_send = ctx.Pipe(duplex=False)
             result_recv, result_send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, job_recv, result_send),
+                args=(rank, self.world_size, job_recv, result_send),
                 name=f"pool rank{rank}",
                 daemon=True,
             )
@@ -106,6 +137,15 @@ class WorkerPool:
             self._jobs.append(job_send)
             self._results[result_recv] = rank
         self.spawns += 1
+        try:
+            # Each worker reports once it is up; a run's timeout starts after that.
+            started = collect(self._results, self._procs, _START_TIMEOUT_S)
+        except BaseException:
+            self.close(patience_s=0.0)
+            raise
+        if started.errors:
+            self.close(patience_s=0.0)
+        started.results_or_raise(self.world_size)
 
     def close(self, patience_s: float = 5.0) -> None:
         """End the workers: closing their job pipes lets idle ones exit; those still
@@ -123,10 +163,11 @@ class WorkerPool:
 # ---------------------------------------------------------------------------
 
 
-def _worker_main(rank: int, jobs: Connection, results: Connection) -> None:
+def _worker_main(rank: int, world_size: int, jobs: Connection, results: Connection) -> None:
     """Run jobs until the parent closes the pipe, or until one leaves this process
     unfit for the next (then retire: the parent spawns a fresh pair)."""
     spawned = _ProcessState.capture()
+    send(results, ("ok", None))  # up: see WorkerPool._start
     while True:
         try:
             job = jobs.recv_bytes()
@@ -138,7 +179,7 @@ def _worker_main(rank: int, jobs: Connection, results: Connection) -> None:
         except BaseException:
             send(results, ("error", f"could not unpickle the job:\n{traceback.format_exc()}"))
             return
-        message = run_in_group(fn, rank, WORLD_SIZE, store_path, results, args)
+        message = run_in_group(fn, rank, world_size, store_path, results, args)
         if message[0] != "ok":
             # The parent retires the pair: the other rank may be blocked in a
             # collective this one will never join.

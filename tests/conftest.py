@@ -11,7 +11,7 @@ the mark itself (a file whose spawns are 4 ranks, a 4-rank fixture parameter). T
 harness enforces it: a test outside ``full`` that spawns 4 ranks, launches torchrun or
 compiles with inductor fails, naming the fix (tests/_harness.py, `require_full`).
 
-``gloo_pool``: the session's two reusable gloo ranks (tests/_pool.py).
+``gloo_pool``: the session's reusable gloo ranks, 2 or 4 (tests/_pool.py).
 """
 
 from collections.abc import Iterator
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests import _harness, _torchrun
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 
 TESTS = Path(__file__).parent
 
@@ -142,9 +142,9 @@ def fsdp_impl(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def gloo_pool() -> Iterator[WorkerPool]:
-    """Two gloo ranks for the whole session (tests/_pool.py): ``gloo_pool.run(fn, *args)``
-    in place of ``run_distributed(fn, 2, *args)``."""
-    pool = WorkerPool()
-    yield pool
-    pool.close()
+def gloo_pool() -> Iterator[GlooPools]:
+    """The session's reusable gloo ranks, 2 or 4 of them (tests/_pool.py): pass it to
+    ``run_distributed(..., pool=gloo_pool)``."""
+    pools = GlooPools()
+    yield pools
+    pools.close()

@@ -36,7 +36,7 @@ from tests._parity import (
     mean_over_world,
     placements,
 )
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 from tests._tiny_llama import uneven_config
 
 WORLD_SIZE = 2
@@ -287,7 +287,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(gloo_pool: WorkerPool) -> list[dict[str, Any]]:
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
     return run_distributed(_run, WORLD_SIZE, pool=gloo_pool)
 
 

@@ -34,7 +34,7 @@ from tests._parity import (
     placements,
     step_against_torch,
 )
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 from tests._tiny_llama import uneven_config
 
 WORLD_SIZE = 2
@@ -143,7 +143,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(gloo_pool: WorkerPool) -> Run:
+def run(gloo_pool: GlooPools) -> Run:
     return run_distributed(_run, WORLD_SIZE, timeout=300, pool=gloo_pool)
 
 

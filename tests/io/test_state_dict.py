@@ -38,7 +38,7 @@ from dtensor_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from dtensor_fsdp.models.llama import Llama, LlamaConfig, apply_tensor_parallel, cross_entropy_loss
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import full, full_state, mean_over_world
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 
 CONFIG = LlamaConfig(
     vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=88, max_seq_len=16
@@ -388,7 +388,7 @@ def _load_worker(rank: int, world_size: int, loads: dict[str, tuple[str, str]]) 
 
 
 @pytest.fixture(scope="module")
-def state_dict_run(tmp_path_factory: pytest.TempPathFactory, gloo_pool: WorkerPool) -> list[dict]:
+def state_dict_run(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> list[dict]:
     tmp = tmp_path_factory.mktemp("state_dict")
     os.makedirs(tmp / "export")
     return run_distributed(_state_dict_worker, 2, str(tmp), pool=gloo_pool)
@@ -407,7 +407,7 @@ def _name(world_size: int, layout: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def checkpoint_runs(tmp_path_factory: pytest.TempPathFactory, gloo_pool: WorkerPool) -> dict:
+def checkpoint_runs(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> dict:
     """Saves on every source world, then loads on every target world: spawns by world."""
     root = tmp_path_factory.mktemp("checkpoints")
     saves_by_world: dict[int, dict[str, tuple[str, str]]] = {}

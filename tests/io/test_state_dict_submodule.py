@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_fsdp import fully_shard
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import assert_pairs_equal, local_pairs
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 LAYOUTS = ("root", "list", "tied")
@@ -131,7 +131,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(gloo_pool: WorkerPool) -> list[dict[str, Any]]:
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
     return run_distributed(_run, WORLD_SIZE, pool=gloo_pool)
 
 

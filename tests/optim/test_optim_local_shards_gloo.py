@@ -42,7 +42,7 @@ from dtensor_fsdp.models.llama import Llama, LlamaConfig, apply_tensor_parallel,
 from dtensor_fsdp.optim import step_on_local_shards
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import full, full_state, mean_over_world
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 from tests.optim._optim_cases import CASES
 
 CONFIG = LlamaConfig(
@@ -337,16 +337,16 @@ def _load_worker(rank: int, world_size: int, path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, gloo_pool: WorkerPool) -> dict:
+def runs(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> dict:
     directory = str(tmp_path_factory.mktemp("local_shard_ckpt"))
     return {"two": run_distributed(_worker_2, 2, directory, pool=gloo_pool)}
 
 
 @pytest.fixture(scope="module")
-def loaded(runs: dict) -> dict[int, list]:
+def loaded(runs: dict, gloo_pool: GlooPools) -> dict[int, list]:
     """The W=2 checkpoint loaded at other world sizes (4 and 1: full tier only)."""
     path = scenario_records(runs["two"], "save")[0]["path"]
-    return {w: run_distributed(_load_worker, w, path) for w in (4, 1)}
+    return {w: run_distributed(_load_worker, w, path, pool=gloo_pool) for w in (4, 1)}
 
 
 def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:

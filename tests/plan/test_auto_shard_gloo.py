@@ -18,7 +18,7 @@ from dtensor_fsdp.models.block_stack import BlockStack
 from dtensor_fsdp.plan.auto import AutoGroup, apply_calls
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 
 N_BLOCKS, DIM, BATCH, STEPS = 8, 32, 16, 3
 BUDGET_OVER_FINEST = 1.3  # room to merge blocks and keep the last group, not more
@@ -105,7 +105,7 @@ def _run(
 
 
 @pytest.fixture(scope="module")
-def runs(auto: AutoPlan, gloo_pool: WorkerPool) -> list[dict[str, Any]]:
+def runs(auto: AutoPlan, gloo_pool: GlooPools) -> list[dict[str, Any]]:
     return run_distributed(_run, 2, auto.groups, auto.forward_prefetch, pool=gloo_pool)
 
 

@@ -34,7 +34,7 @@ from tests._parity import (
     local_pairs,
     make_optimizer,
 )
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 MICRO = 3  # micro-batches per optimizer step
@@ -273,7 +273,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(gloo_pool: WorkerPool) -> list[dict[str, Any]]:
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
     return run_distributed(_run, WORLD_SIZE, pool=gloo_pool)
 
 

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from tests._harness import run_distributed, run_scenarios, scenario_records
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 IMPL_MODULES = {"ours": "dtensor_fsdp", "torch": "torch.distributed.fsdp"}  # --fsdp-impl
@@ -110,7 +110,7 @@ def _run(rank: int, world_size: int, impl: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(fsdp_impl: str, gloo_pool: WorkerPool) -> list[dict[str, Any]]:
+def run(fsdp_impl: str, gloo_pool: GlooPools) -> list[dict[str, Any]]:
     return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=120, pool=gloo_pool)
 
 

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 from dtensor_fsdp import CommTrace, MixedPrecisionPolicy, fully_shard
 from tests._c10d import ReduceScatterInputs
 from tests._harness import run_distributed, run_scenarios, scenario_records
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 
 
 def _model(mesh: Any, reshard_after_forward: bool) -> nn.Sequential:
@@ -126,7 +126,7 @@ def _alive_after_delete(mesh: Any, shard: Any) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def record(gloo_pool: WorkerPool) -> dict[str, Any]:
+def record(gloo_pool: GlooPools) -> dict[str, Any]:
     return run_distributed(_run, 2, pool=gloo_pool)[0]
 
 
@@ -270,7 +270,7 @@ def _in_flight_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def in_flight(gloo_pool: WorkerPool) -> list[dict[str, Any]]:
+def in_flight(gloo_pool: GlooPools) -> list[dict[str, Any]]:
     return run_distributed(_in_flight_worker, 2, pool=gloo_pool)
 
 
@@ -449,7 +449,7 @@ def _peak_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["W1", "W2"])
-def peaks(request: pytest.FixtureRequest, gloo_pool: WorkerPool) -> list[dict[str, Any]]:
+def peaks(request: pytest.FixtureRequest, gloo_pool: GlooPools) -> list[dict[str, Any]]:
     return run_distributed(_peak_worker, request.param, pool=gloo_pool)
 
 
@@ -532,7 +532,7 @@ _HSDP_SHAPES = {2: [(2,), (2, 1), (1, 2)], 4: [(2, 2)]}
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
 def inputs_alive(
-    request: pytest.FixtureRequest, gloo_pool: WorkerPool
+    request: pytest.FixtureRequest, gloo_pool: GlooPools
 ) -> tuple[list[dict[str, Any]], list]:
     shapes = _HSDP_SHAPES[request.param]
     run = run_distributed(_hsdp_worker, request.param, shapes, timeout=240, pool=gloo_pool)

@@ -28,7 +28,7 @@ from dtensor_fsdp import CommTrace, MixedPrecisionPolicy, fully_shard
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
 from tests._parity import adamw_param_atol, full, make_optimizer, mean_over_world
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -152,7 +152,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(gloo_pool: WorkerPool) -> list[dict[str, Any]]:
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
     return run_distributed(_run, WORLD_SIZE, pool=gloo_pool)
 
 

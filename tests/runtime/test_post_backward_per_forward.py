@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from dtensor_fsdp import fully_shard as ours_fully_shard
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 
 DIM, BLOCKS, STEPS = 256, 4, 2
 # Two steps of a healthy run take well under a second per rank; the hang this guards
@@ -142,7 +142,7 @@ def _run(rank: int, world_size: int) -> dict[str, tuple[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def run(gloo_pool: WorkerPool) -> list[dict[str, tuple[str, Any]]]:
+def run(gloo_pool: GlooPools) -> list[dict[str, tuple[str, Any]]]:
     return run_distributed(_run, 2, pool=gloo_pool)
 
 
@@ -180,7 +180,7 @@ def _kept_on_rank0(rank: int, world_size: int) -> dict[str, Any]:
     return {impl: _kept(shard, keep=rank == 0) for impl, shard in IMPLS.items()}
 
 
-def test_output_kept_on_one_rank_does_not_hang(gloo_pool: WorkerPool) -> None:
+def test_output_kept_on_one_rank_does_not_hang(gloo_pool: GlooPools) -> None:
     ranks = run_distributed(_kept_on_rank0, 2, timeout=DEADLINE_S, pool=gloo_pool)
     for rank, record in enumerate(ranks):
         _assert_like_torch(record["ours"], record["torch"], f"kept on rank 0, rank {rank}")

@@ -45,7 +45,7 @@ from tests._parity import (
     local_pairs,
     make_optimizer,
 )
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 
 IMPLS = {"ours": "dtensor_fsdp", "torch": "torch.distributed.fsdp"}
 # 2 ranks in the fast tier; 3 and 4 in the full one only (tests/conftest.py).
@@ -451,12 +451,12 @@ def _llama_worker(rank: int, world_size: int, impl: str) -> dict[str, tuple]:
 
 
 @pytest.fixture(scope="module", params=MLP_WORLD_SIZES, ids=lambda w: f"mlp-w{w}")
-def mlp_run(request: pytest.FixtureRequest, fsdp_impl: str, gloo_pool: WorkerPool) -> list[dict]:
+def mlp_run(request: pytest.FixtureRequest, fsdp_impl: str, gloo_pool: GlooPools) -> list[dict]:
     return run_distributed(_mlp_worker, request.param, fsdp_impl, timeout=180, pool=gloo_pool)
 
 
 @pytest.fixture(scope="module", params=LLAMA_WORLD_SIZES, ids=lambda w: f"llama-w{w}")
-def llama_run(request: pytest.FixtureRequest, fsdp_impl: str, gloo_pool: WorkerPool) -> list[dict]:
+def llama_run(request: pytest.FixtureRequest, fsdp_impl: str, gloo_pool: GlooPools) -> list[dict]:
     return run_distributed(_llama_worker, request.param, fsdp_impl, timeout=180, pool=gloo_pool)
 
 

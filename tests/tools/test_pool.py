@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests._harness import DistributedError, run_distributed, set_running_test
-from tests._pool import WorkerPool
+from tests._pool import GlooPools, WorkerPool
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def _dirty(rank: int, world_size: int, tmp: str) -> int:
     os.environ["DTENSOR_FSDP_POOL_TEST"] = "dirty"
     os.chdir(tmp)
     warnings.simplefilter("ignore")
-    dist.new_group([0, 1])  # never destroyed by the run
+    dist.new_group(list(range(world_size)))  # never destroyed by the run
     return os.getpid()
 
 
@@ -86,15 +86,17 @@ def _pids(records: list[Any]) -> set[int]:
     return {r["pid"] if isinstance(r, dict) else r for r in records}
 
 
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.full)])
 def test_a_run_finds_the_state_the_last_run_found_whatever_it_left(
-    gloo_pool: WorkerPool, tmp_path
+    gloo_pool: GlooPools, world_size: int, tmp_path
 ) -> None:
-    before = gloo_pool.run(_state)
-    assert _pids(gloo_pool.run(_dirty, str(tmp_path))) == _pids(before)
-    after = gloo_pool.run(_state)
+    before = gloo_pool.run(_state, world_size)
+    assert _pids(gloo_pool.run(_dirty, world_size, str(tmp_path))) == _pids(before)
+    after = gloo_pool.run(_state, world_size)
     assert _pids(after) == _pids(before), "the workers were reused"
     assert after == before
-    assert [r["groups"] for r in after] == [1, 1] and [r["sum"] for r in after] == [3.0, 3.0]
+    assert [r["groups"] for r in after] == [1] * world_size
+    assert [r["sum"] for r in after] == [world_size * (world_size + 1) / 2] * world_size
 
 
 @pytest.mark.full

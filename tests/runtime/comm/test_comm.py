@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_fsdp import fully_shard
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 IMPLS = {"ours": fully_shard, "torch": torch_fully_shard}
@@ -248,13 +248,13 @@ def _hpz(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def records(gloo_pool: WorkerPool) -> dict[str, Any]:
+def records(gloo_pool: GlooPools) -> dict[str, Any]:
     return run_distributed(_scenarios, WORLD_SIZE, pool=gloo_pool)[0]
 
 
 @pytest.fixture(scope="module")
-def hpz() -> dict[str, Any]:
-    return run_distributed(_hpz, 4)[0]
+def hpz(gloo_pool: GlooPools) -> dict[str, Any]:
+    return run_distributed(_hpz, 4, pool=gloo_pool)[0]
 
 
 def _assert_used_unsharded_and_resharded_after(record: dict[str, Any], backward: bool) -> None:

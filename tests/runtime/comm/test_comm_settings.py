@@ -35,7 +35,7 @@ from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
 from tests._parity import assert_pairs_equal, local_pairs
-from tests._pool import WorkerPool
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 STEPS = 2
@@ -178,7 +178,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(gloo_pool: WorkerPool) -> list[dict[str, Any]]:
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
     return run_distributed(_run, WORLD_SIZE, timeout=120, pool=gloo_pool)
 
 
