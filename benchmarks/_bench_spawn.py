@@ -3,8 +3,8 @@ that compare several world sizes in one launch (torchrun gives one world size).
 
 Each rank joins through a ``FileStore`` in a fresh temp directory (no ports) and writes
 its pickled result to a file; the parent reads the files, never the exit codes: gloo
-workers sometimes abort at interpreter exit after their work is done (see
-TORCH_NOTES.md, "gloo exit"), so a rank that wrote its result has passed.
+workers sometimes abort at interpreter exit after their work is done ("terminate
+called without an active exception"), so a rank that wrote its result has passed.
 """
 
 import os

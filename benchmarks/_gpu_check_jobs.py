@@ -13,7 +13,7 @@ from pathlib import Path
 from _gpu_check_launch import Finished, free_ports, run_commands, torchrun
 from _gpu_check_report import Outcome
 
-# Flash attention's backward accumulates with atomics (TORCH_NOTES.md, "On a GPU"), so
+# Flash attention's backward accumulates with atomics (seen on an H200), so
 # two bf16 runs part in the last bits from step 2 on, and CPU offload runs AdamW on the
 # CPU, which rounds otherwise than the device's: Adam then amplifies those bits in
 # elements whose gradient is near its eps. 0.01 of a loss near ln(512) = 6.24 is far

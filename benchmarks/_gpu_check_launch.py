@@ -5,8 +5,8 @@ output in log files.
 Ranks (``run_ranks``) join their group themselves (``join_group``), so a row can do
 work before it (``plan()`` needs a process without a default group). Each rank writes
 its pickled result to a file, and the parent reads the files, never the exit codes:
-gloo workers sometimes abort at interpreter exit after their work is done (TORCH_NOTES.md,
-"gloo exit"). ``benchmarks/_bench_spawn.py`` is the same idea for CPU benchmarks; it
+gloo workers sometimes abort at interpreter exit after their work is done ("terminate
+called without an active exception"). ``benchmarks/_bench_spawn.py`` is the same idea for CPU benchmarks; it
 joins a gloo group before the function runs and leaves the output on the terminal,
 where four ranks' warnings would bury the table.
 
@@ -186,7 +186,8 @@ def run_commands(commands: list[list[str]], logs: list[Path], timeout_s: float) 
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        # torchrun restarts aside, a worker could read a stale rendezvous (TORCH_NOTES.md).
+        # With the launcher's rendezvous store shared, a worker can read a stale
+        # rendezvous (after a restart: the dead group's addresses) and hang.
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "PYTHONUNBUFFERED": "1",
     }

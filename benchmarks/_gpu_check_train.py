@@ -176,8 +176,8 @@ def tokens_for(step: int, shape: Shape, rank: Rank, whole: bool = False) -> torc
 @contextmanager
 def attention(deterministic: bool) -> Iterator[None]:
     """SDPA's math kernel where values are compared: flash and memory-efficient
-    backward accumulate with atomics on CUDA, so two identical runs differ in the last
-    bits (TORCH_NOTES.md, "On a GPU"); the default kernels where time is measured."""
+    backward accumulate with atomics on CUDA, so two identical bf16 runs differ in the
+    last bits (seen on an H200); the default kernels where time is measured."""
     with sdpa_kernel(SDPBackend.MATH) if deterministic else nullcontext():
         yield
 
@@ -378,9 +378,9 @@ def free_memory(device: torch.device) -> None:
 def warm_up(shape: Shape, rank: Rank, bf16: bool = False) -> None:
     """On CUDA, a training step of the plain model with the math and with the default
     attention kernels, before anything is measured: cuBLAS keeps a workspace per stream
-    in the caching allocator from a process's first matmul on it (TORCH_NOTES.md, "On
-    a GPU"), and whatever else a kernel sets up once would also be paid by the first
-    setting measured, in its peak."""
+    (32 MiB) in the caching allocator from a process's first matmul on it, and whatever
+    else a kernel sets up once would also be paid by the first setting measured, in its
+    peak."""
     if rank.device.type != "cuda":
         return
     model = build(Setting("plain", bf16=bf16), shape, rank)

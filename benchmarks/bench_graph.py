@@ -425,8 +425,9 @@ def pick_device(choice: str) -> torch.device:
 
 
 def warm_cublas(device: torch.device) -> None:
-    """cuBLAS keeps a workspace per stream from its first matmul: pay it before any
-    configuration's memory is measured (TORCH_NOTES.md)."""
+    """cuBLAS keeps a workspace per stream (32 MiB, inside the caching allocator) from
+    a process's first matmul on it: pay it before any configuration's memory is
+    measured."""
     if device.type == "cuda":
         layer = nn.Linear(64, 64, device=device)
         layer(torch.randn(8, 64, device=device, requires_grad=True)).sum().backward()

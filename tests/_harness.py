@@ -8,6 +8,11 @@ Parent side:
   order. A child's exception is re-raised in the parent with the rank and the child's
   traceback; a run past ``timeout`` kills every child and fails, naming what each rank
   was doing last, so no test hangs.
+- ``run_distributed(fn, world_size, *args, pool=gloo_pool)``: the same run on the
+  session's reusable gloo ranks (tests/_pool.py, torch's ``MultiProcContinuousTest``
+  idea: 2 or 4 of them), spawned once for every test file that passes the
+  ``gloo_pool`` fixture: each run gets a fresh process group and the process state a
+  fresh spawn would have.
 - ``scenario_records(run, name)`` picks one scenario's records out of a run of
   ``run_scenarios`` and fails the calling test with the traceback if it raised.
 - ``fake_mesh(world_size)`` builds a 1D CPU ``DeviceMesh`` of any size in this one
@@ -29,21 +34,27 @@ multiprocessing pickler would pass tensors as shared memory owned by a child tha
 about to exit), and never through exit codes: gloo workers sometimes abort at
 interpreter exit after their work is done ("terminate called without an active
 exception"), so a rank that has sent its result has passed, whatever its exit code
-(see TORCH_NOTES.md, "gloo exit").
+(workers should destroy their process group before exiting; the harness does).
+
+Tiers (tests/conftest.py, docs/testing.md): a test marked ``full`` may spawn 4 ranks or
+more, launch ``torchrun`` (tests/_torchrun.py) and compile with inductor; one in the
+fast tier (``-m "not full"``) that does fails with the fix named (`require_full`), so
+the fast tier cannot silently grow heavy.
 """
 
 import contextlib
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import torch
@@ -65,6 +76,66 @@ class DistributedError(RuntimeError):
     """A child rank raised, died without reporting, or the run timed out."""
 
 
+class Pools(Protocol):
+    """Reusable ranks (tests/_pool.py's `GlooPools`)."""
+
+    def serves(self, world_size: int) -> bool: ...
+
+    def run(
+        self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
+    ) -> list[Any]: ...
+
+
+# ---------------------------------------------------------------------------
+# Tiers: what a test in the fast tier may not do
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _RunningTest:
+    nodeid: str = ""
+    # Outside a test (a script importing the harness, collection) nothing is refused.
+    is_full: bool = True
+    inductor_graphs: int = 0  # `inductor_graphs()` at the test's setup
+
+
+_running = _RunningTest()
+
+
+def set_running_test(nodeid: str, is_full: bool) -> None:
+    """tests/conftest.py, at each test's setup: whether it is marked ``full``."""
+    _running.nodeid, _running.is_full = nodeid, is_full
+    _running.inductor_graphs = inductor_graphs()
+
+
+def inductor_graphs() -> int:
+    """How many graphs inductor compiled or loaded from its cache in this process: its
+    code cache's modules (kept across ``torch._dynamo.reset()``; not counting a backend
+    built or a config read, nor aot_eager's graphs; 0 before inductor is imported)."""
+    codecache = sys.modules.get("torch._inductor.codecache")
+    return len(codecache.PyCodeCache.modules) if codecache is not None else 0
+
+
+def check_no_inductor_compile() -> None:
+    """tests/conftest.py, after each test: `require_full` if it compiled with inductor
+    in this process (fixtures included)."""
+    if inductor_graphs() != _running.inductor_graphs:
+        require_full("compiles with inductor")
+
+
+def require_full(what: str) -> None:
+    """Fail the running test if it is in the fast tier: it ``what`` (spawns 4 ranks,
+    launches torchrun, compiles with inductor), which only ``full`` tests may."""
+    if not _running.is_full:
+        pytest.fail(
+            f"{_running.nodeid} {what}, which only tests marked `full` may: add its file to "
+            "FULL_PATHS in tests/conftest.py, or mark it (module: `pytestmark = "
+            "pytest.mark.full`; one fixture parameter: `pytest.param(4, marks="
+            "pytest.mark.full)`)",
+            pytrace=False,
+        )
+
+
 # ---------------------------------------------------------------------------
 # Parent side
 # ---------------------------------------------------------------------------
@@ -76,6 +147,7 @@ def run_distributed(
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT_S,
     threads_per_rank: int = 1,
+    pool: Pools | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
 
@@ -86,6 +158,9 @@ def run_distributed(
         timeout: seconds for the whole run, spawn included.
         threads_per_rank: ``torch.set_num_threads`` in each child, so that ranks do not
             oversubscribe the cores.
+        pool: the session's ``gloo_pool`` fixture (tests/_pool.py): a run of a world
+            size it serves (2, 4) and one thread per rank runs on its workers instead
+            of new ones.
 
     Returns:
         Each rank's return value, indexed by rank.
@@ -95,6 +170,10 @@ def run_distributed(
             exit code if it died without reporting, or the silent ranks (and their last
             progress report) on timeout.
     """
+    if world_size >= 4:
+        require_full(f"spawns {world_size} ranks")
+    if pool is not None and pool.serves(world_size) and threads_per_rank == 1:
+        return pool.run(fn, world_size, *args, timeout=timeout)
     ctx = mp.get_context("spawn")
     store_dir = tempfile.mkdtemp(prefix="dtensor_fsdp_store_")
     store_path = os.path.join(store_dir, "store")
@@ -114,32 +193,43 @@ def run_distributed(
             send_end.close()
             procs.append(proc)
             conns[recv_end] = rank
-        outcome = _collect(conns, procs, timeout)
+        outcome = collect(conns, procs, timeout)
     finally:
         # Ranks that reported get a moment to exit on their own; after a failure the
         # others are usually blocked in a collective, so they are killed at once.
-        _stop(procs, patience_s=5.0 if outcome and not outcome.errors else 0.0)
+        stop(procs, patience_s=5.0 if outcome and not outcome.errors else 0.0)
         for conn in conns:
             conn.close()
         shutil.rmtree(store_dir, ignore_errors=True)
-    if outcome.errors:
-        rank, message = outcome.errors[0]
-        others = sorted(r for r, _ in outcome.errors[1:])
-        extra = f" (ranks {others} also failed)" if others else ""
-        raise DistributedError(f"rank {rank} of {world_size} failed{extra}:\n{message}")
-    return [outcome.results[r] for r in range(world_size)]
+    return outcome.results_or_raise(world_size)
 
 
 @dataclass
-class _Outcome:
+class Outcome:
+    """What the ranks of one run reported."""
+
     results: dict[int, Any]
     errors: list[tuple[int, str]]  # (rank, message), in order of arrival
+    # (rank, why): a pool worker that is not fit for another run (see WorkerPool).
+    retired: list[tuple[int, str]] = field(default_factory=list)
+    compiled_with_inductor: bool = False
+
+    def results_or_raise(self, world_size: int) -> list[Any]:
+        """Each rank's result, by rank; the first failure raised as DistributedError."""
+        if self.errors:
+            rank, message = self.errors[0]
+            others = sorted(r for r, _ in self.errors[1:])
+            extra = f" (ranks {others} also failed)" if others else ""
+            raise DistributedError(f"rank {rank} of {world_size} failed{extra}:\n{message}")
+        if self.compiled_with_inductor:
+            require_full("compiles with inductor in its ranks")
+        return [self.results[r] for r in range(world_size)]
 
 
-def _collect(conns: dict[Connection, int], procs: list[mp.Process], timeout: float) -> _Outcome:
+def collect(conns: dict[Connection, int], procs: list[mp.Process], timeout: float) -> Outcome:
     """Read messages until every rank reports, one fails (plus a grace), or time runs out."""
     deadline = time.monotonic() + timeout
-    outcome = _Outcome({}, [])
+    outcome = Outcome({}, [])
     progress: dict[int, str] = {}
     pending = dict(conns)
     while pending:
@@ -168,6 +258,12 @@ def _collect(conns: dict[Connection, int], procs: list[mp.Process], timeout: flo
             if kind == "progress":
                 progress[rank] = payload
                 continue
+            if kind == "inductor":
+                outcome.compiled_with_inductor = True
+                continue
+            if kind == "retire":
+                outcome.retired.append((rank, payload))
+                continue
             del pending[conn]
             if kind == "ok":
                 outcome.results[rank] = payload
@@ -177,7 +273,7 @@ def _collect(conns: dict[Connection, int], procs: list[mp.Process], timeout: flo
     return outcome
 
 
-def _stop(procs: list[mp.Process], patience_s: float) -> None:
+def stop(procs: list[mp.Process], patience_s: float) -> None:
     """Give the children ``patience_s`` to exit on their own, then kill the rest."""
     deadline = time.monotonic() + patience_s
     for proc in procs:
@@ -227,27 +323,51 @@ def _child_main(
     conn: Connection,
     args: tuple[Any, ...],
 ) -> None:
-    global _child
     torch.set_num_threads(threads_per_rank)
     try:
-        try:
-            store = dist.FileStore(store_path, world_size)
-            _child = _Child(conn, store)
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-            message = ("ok", fn(rank, world_size, *args))
-        except BaseException:
-            message = ("error", traceback.format_exc())
-        try:
-            payload = pickle.dumps(message)
-        except Exception:  # an unpicklable return value
-            payload = pickle.dumps(
-                ("error", f"could not pickle rank {rank}'s result:\n{traceback.format_exc()}")
-            )
-        conn.send_bytes(payload)
+        send(conn, run_in_group(fn, rank, world_size, store_path, conn, args))
     finally:
         conn.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def run_in_group(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_path: str,
+    conn: Connection,
+    args: tuple[Any, ...],
+) -> tuple[str, Any]:
+    """Join the gloo group of ``store_path`` and run ``fn``: ``("ok", result)`` or
+    ``("error", traceback)``. The group is left for the caller to destroy. Tells the
+    parent first if inductor compiled (for `require_full`)."""
+    global _child
+    graphs = inductor_graphs()
+    try:
+        store = dist.FileStore(store_path, world_size)
+        _child = _Child(conn, store)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        message = ("ok", fn(rank, world_size, *args))
+    except BaseException:
+        message = ("error", traceback.format_exc())
+    finally:
+        _child = None
+    if inductor_graphs() != graphs:
+        send(conn, ("inductor", None))
+    return message
+
+
+def send(conn: Connection, message: tuple[str, Any]) -> None:
+    """Send ``message`` to the parent; an unpicklable result is sent as an error."""
+    try:
+        payload = pickle.dumps(message)
+    except Exception:
+        payload = pickle.dumps(
+            ("error", f"could not pickle this rank's result:\n{traceback.format_exc()}")
+        )
+    conn.send_bytes(payload)
 
 
 def report_progress(text: str) -> None:

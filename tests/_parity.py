@@ -20,8 +20,8 @@ Which comparison gets which tolerance, and why:
    fp32 terms summed in another order (each rank's matmul over its micro-batch, then a
    reduce-scatter, vs one matmul over the global batch), so they agree to a few ulps
    (2^-24 ~ 6e-8 relative) of the largest summed terms; observed <= 2e-7 absolute on
-   the test models. ``ATOL = RTOL = 1e-5`` leaves margin for other CPUs' kernels
-   (TORCH_NOTES.md, "CPU numerics differ by vendor").
+   the test models. ``ATOL = RTOL = 1e-5`` leaves margin for other CPUs' kernels (fp32
+   results of one program differ in the last bits between AMD's and Intel's kernels).
 3. Against the single-process model, parameters after AdamW steps: Adam amplifies
    those rounding differences without bound in relative terms. Its per-element update
    is ``lr * m_hat / (sqrt(v_hat) + eps)``; where a gradient component is near ``eps``

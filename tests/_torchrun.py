@@ -1,9 +1,11 @@
 """Launch a script under ``torchrun`` on local ranks, bounded by a deadline.
 
-Loopback c10d rendezvous on a free port, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see
-TORCH_NOTES.md on restarts), its own process group so a kill at the deadline reaches
-every worker. Verdicts should rest on what the workers wrote, not on exit codes alone
-(gloo may abort at exit after the work is done).
+Loopback c10d rendezvous on a free port, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (with
+``--max-restarts``, torch 2.13's restarted workers can otherwise read the dead group's
+addresses from the shared rendezvous store and hang, or fail to connect), its own
+process group so a kill at the deadline reaches every worker. Verdicts should rest on
+what the workers wrote, not on exit codes alone (gloo may abort at exit after the work
+is done). Only ``full`` tests launch jobs (tests/conftest.py).
 """
 
 import os
@@ -14,6 +16,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests._harness import require_full
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,6 +41,7 @@ def torchrun(
     script: Path, *args: str, log: Path, nproc: int = 2, deadline_s: float = 60.0,
     max_restarts: int = 0, monitor_interval_s: float = 0.5, share_store: bool = False,
 ) -> Launch:  # fmt: skip
+    require_full("launches torchrun")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
         "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),

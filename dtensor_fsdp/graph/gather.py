@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from ..runtime.comm_description import GroupComm, ReductionDescription
 from ..runtime.comm_math import (
@@ -41,6 +42,7 @@ from ..runtime.comm_math import (
     sum_quantized_rows,
     unsharded_of,
 )
+from ..runtime.profiler_labels import label
 from . import collectives
 
 
@@ -80,6 +82,7 @@ class GatherPlan:
     sharded_device: torch.device  # where the sharded params live (CPU offload: the host)
     reshard: bool  # backward gathers again (reshard_after_forward): nothing is kept
     post_forward: PostForwardGroups | None  # hpZ: backward keeps 1/k and gathers over k
+    fqn: str  # the FSDP group's, for its profiler labels
 
     @property
     def all_gather_nbytes(self) -> int:
@@ -115,13 +118,16 @@ def gather(plan: GatherPlan, locals_: list[torch.Tensor], step: StepInputs) -> t
     """The unsharded parameters of the local shards ``locals_`` (in the all-gather's
     param order); the gradients of the trainable ones come back reduced and sharded
     (frozen ones get none, as in eager: not computed, not reduced)."""
-    if not torch.is_grad_enabled() or not any(plan.trainable):
-        return all_gather(plan, locals_)  # nothing to differentiate: no autograd node
-    residuals = [r for r in step.residuals if r is not None]
-    return GroupGather.apply(
-        plan, step.sync, step.all_reduce, step.accumulator, step.pending, step.partial,
-        step.pending_partial, len(residuals), *residuals, *locals_,
-    )  # fmt: skip
+    # Kept in the graph only if dynamo is told to (capture_profiler_record_function):
+    # see [Note: profiler labels] (runtime/profiler_labels.py).
+    with record_function(label("all_gather", plan.fqn)):
+        if not torch.is_grad_enabled() or not any(plan.trainable):
+            return all_gather(plan, locals_)  # nothing to differentiate: no autograd node
+        residuals = [r for r in step.residuals if r is not None]
+        return GroupGather.apply(
+            plan, step.sync, step.all_reduce, step.accumulator, step.pending, step.partial,
+            step.pending_partial, len(residuals), *residuals, *locals_,
+        )  # fmt: skip
 
 
 def all_gather(plan: GatherPlan, locals_: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -252,7 +258,8 @@ class GroupGather(torch.autograd.Function):
         reduce_input = _reduce_input(plan, reduction, grads, pending)
         if not ctx.sync:
             return (*none[:3], reduce_input, *none[4:], *(None,) * len(grads))
-        reduced = reduce(plan, reduce_input, residuals, ctx.all_reduce, pending_partial)
+        with record_function(label("post_backward_reduce", plan.fqn)):
+            reduced = reduce(plan, reduce_input, residuals, ctx.all_reduce, pending_partial)
         if reduced.partial is not None:
             return (*none[:5], reduced.partial, *none[6:], *(None,) * len(grads))
         assert reduced.reduced is not None

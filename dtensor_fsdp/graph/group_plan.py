@@ -76,6 +76,7 @@ def group_graph(
         # lazy_init already cleared it for a root left to decide (torch's default).
         reshard=bool(group.reshard_after_forward),
         post_forward=_post_forward_groups(group, process_groups),
+        fqn=group.fqn,
     )
     feedback = group.reduction.error_feedback
     residuals: tuple[torch.Tensor | None, ...] = ()

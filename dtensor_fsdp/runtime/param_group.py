@@ -53,6 +53,7 @@ from .param_reset import (
     move_sharded_param,
     rederive_sharded_buffer,
 )
+from .profiler_labels import ProfilerLabels
 from .reduction.gradient_reduction import GradientReduction
 from .scheduler import CommContext
 from .streams import CommStreams, StreamRole
@@ -135,6 +136,8 @@ class FSDPParamGroup:
         # tuple is what the runtime tests and calls, empty when nothing is attached.
         self._observer_slots: dict[str, CommObserver] = {}
         self.observers: Observers = ()
+        # While a profiler runs: this group's ranges (see [Note: profiler labels]).
+        self.labels: ProfilerLabels | None = None
         self._in_flight: AllGatherInFlight | None = None  # issued, not yet copied out
         # hpZ between forward and backward; None when fully sharded or unsharded.
         self._post_forward: PostForwardShard | None = None
@@ -321,6 +324,8 @@ class FSDPParamGroup:
         # post-forward buffer also keep a group's all-gathered values into a forward.
         if post_forward is None:
             self._gathered_versions = [p.sharded_version() for p in self.fsdp_params]
+        if self.labels is not None:
+            self.labels.enter("all_gather")
         with streams.on(role):
             source = self._all_gather_source_now()
             watches = self._observe_all_gather(source) if self.observers else ()
@@ -336,14 +341,18 @@ class FSDPParamGroup:
             # both order the same writes before the copy-out.
             event = streams.record_on(role) if role is not None else None
         self._in_flight = AllGatherInFlight(result, source, event, async_op, watches)
+        if self.labels is not None:
+            self.labels.exit("all_gather")
         if not async_op:
             self.wait_for_unshard()
 
     def wait_for_unshard(self) -> None:
         """Wait for the in-flight all-gather, copy out, register the unsharded params."""
-        in_flight = self._wait_all_gather()
-        if in_flight is None:
+        if self._in_flight is None:
             return
+        if self.labels is not None:
+            self.labels.enter("all_gather_copy_out")
+        in_flight = self._wait_all_gather()
         if self.training_state == TrainingState.FORWARD and self.ctx is not None:
             # The previous forward copy-out's output; see [Note: forward all-gather
             # overlap] (scheduler.py).
@@ -356,6 +365,8 @@ class FSDPParamGroup:
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
+        if self.labels is not None:
+            self.labels.exit("all_gather_copy_out")
 
     def reshard(self) -> None:
         """Free the unsharded params and register the sharded ones."""
@@ -372,10 +383,14 @@ class FSDPParamGroup:
         self.sharded_state = ShardedState.SHARDED
 
     def pre_forward(self) -> None:
+        if self.labels is not None:
+            self.labels.enter("pre_forward")
         if self.training_state != TrainingState.FORWARD:  # not a group's second module
             self._reshard_if_stale()
         self.training_state = TrainingState.FORWARD
         self.unshard()
+        if self.labels is not None:
+            self.labels.exit("pre_forward")
 
     def _reshard_if_stale(self) -> None:
         """Reshard a group kept unsharded since an earlier forward or backward (the root
@@ -427,6 +442,8 @@ class FSDPParamGroup:
         called by the root's post-forward for a list group only partly run, as torch's
         ``_force_complete_incomplete_states`` does, so that it is not left unsharded
         (and stale after an optimizer step) until its next forward."""
+        if self.labels is not None:
+            self.labels.enter("post_forward")
         self._forwarded_modules.clear()
         self._forward_versions = self._gathered_versions
         in_backward = is_in_backward()
@@ -442,6 +459,8 @@ class FSDPParamGroup:
             else:
                 self.reshard()
         self.training_state = TrainingState.IDLE
+        if self.labels is not None:
+            self.labels.exit("post_forward")
 
     def _reshard_post_forward(self, post_forward: MeshInfo) -> None:
         """hpZ: keep this rank's 1/k of the padded unsharded params (k = the post-forward
@@ -476,10 +495,14 @@ class FSDPParamGroup:
         if self.training_state == TrainingState.PRE_BACKWARD:
             return
         self.training_state = TrainingState.PRE_BACKWARD
+        if self.labels is not None:
+            self.labels.enter("pre_backward")
         if self.observers:
             self._record("pre_backward")
         self.unshard()
         self._check_unchanged_since_forward()
+        if self.labels is not None:
+            self.labels.exit("pre_backward")
 
     def _check_unchanged_since_forward(self) -> None:
         """Refuse a backward whose forward computed with other values of the sharded
@@ -522,6 +545,9 @@ class FSDPParamGroup:
         next pre-backward re-gathers the params first.
         """
         self.training_state = TrainingState.POST_BACKWARD
+        labels = self.labels
+        if labels is not None:
+            labels.enter("post_backward")
         if self.observers:
             self._record("post_backward")
         if not self.requires_gradient_sync:
@@ -529,6 +555,8 @@ class FSDPParamGroup:
                 fsdp_param.accumulate_unsharded_grad()
             if self.reshard_after_backward:
                 self.reshard()
+            if labels is not None:
+                labels.exit("post_backward")
             return
         assert self.ctx is not None, f"{self.fqn}: post-backward before lazy init"
         # Torch's order: take the grads, free the unsharded params, then allocate the
@@ -536,9 +564,14 @@ class FSDPParamGroup:
         taken = self.reduction.take_grads()
         if self.reshard_after_backward:
             self.reshard()
+        if labels is not None:
+            labels.enter("post_backward_reduce")
         self.reduction.reduce_scatter(
             self.ctx, self.fqn, taken, self.observers, make_room=self.waits_for_reduce_scatters
         )
+        if labels is not None:
+            labels.exit("post_backward_reduce")
+            labels.exit("post_backward")
 
     def finalize_backward(self) -> None:
         """End of backward (root callback): post-backward for every group whose node did

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .observer import CommObserver
+from .profiler_labels import ProfilerLabels
 from .step_guard import StepGuard
 from .streams import CommStreams, StreamRole
 
@@ -38,6 +39,7 @@ class Prefetchable(Protocol):
 
     fqn: str
     modules: tuple[object, ...]
+    labels: ProfilerLabels | None  # while a profiler runs
 
     def unshard(self, async_op: bool = False) -> None: ...
 
@@ -159,7 +161,11 @@ class CommContext:
     def prefetch_forward(self, targets: list[Prefetchable]) -> None:
         """Explicit forward prefetch: issue the targets' all-gathers without waiting."""
         for target in targets:
+            if target.labels is not None:
+                target.labels.enter_prefetch("forward")
             target.unshard(async_op=True)
+            if target.labels is not None:
+                target.labels.exit("forward_prefetch")
 
     # Backward #
 
@@ -175,7 +181,11 @@ class CommContext:
         """
         targets = explicit if explicit is not None else self._implicit_backward_targets(groups)
         for target in targets:
+            if target.labels is not None:
+                target.labels.enter_prefetch("backward")
             target.unshard(async_op=True)
+            if target.labels is not None:
+                target.labels.exit("backward_prefetch")
 
     def _implicit_backward_targets(self, groups: list[Prefetchable]) -> list[Prefetchable]:
         """One group: the group recorded just before the forward whose backward this

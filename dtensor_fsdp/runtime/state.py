@@ -25,6 +25,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.autograd import profiler as autograd_profiler
 from torch.utils.hooks import RemovableHandle
 
 from ..api import MixedPrecisionPolicy
@@ -32,6 +33,7 @@ from .activations import grad_tensors, map_tensors, replace_grad_tensors
 from .observer import CommObserver
 from .param import FSDPParam
 from .param_group import FSDPParamGroup, TrainingState, is_in_backward
+from .profiler_labels import ProfilerLabels
 from .scheduler import CommContext
 from .streams import CommStreams, streams_for
 
@@ -97,6 +99,7 @@ class FSDPState:
         self.make_watchdog: Callable[[FSDPState], CommObserver | None] | None = None
         self.watchdog: CommObserver | None = None  # the root's, built at lazy init
         self.post_optim_event: torch.Event | None = None  # root only, used once
+        self.is_labelled = False  # root: its groups hold profiler labels (set_labels)
         self.shared_streams: CommStreams | None = None  # share_comm_ctx, read at lazy init
         # The (pre-forward, post-forward) hook handles of each module in ``modules``,
         # in that order: a tool that wraps the forward hooks (torch's FSDPMemTracker,
@@ -193,6 +196,16 @@ class FSDPState:
             for group in state.groups:
                 group.set_observer("watchdog", watchdog)
 
+    def set_labels(self, is_labelled: bool) -> None:
+        """Root: give every group of the tree profiler labels, or take them back (see
+        [Note: profiler labels], profiler_labels.py)."""
+        self.is_labelled = is_labelled
+        for state in self.states_in_tree:
+            for group in state.groups:
+                if group.labels is not None:
+                    group.labels.close()
+                group.labels = ProfilerLabels(group.fqn) if is_labelled else None
+
     # Runtime #
 
     def pre_forward_hook(self, module: nn.Module):
@@ -217,6 +230,9 @@ class FSDPState:
         if self.is_root:
             self.ctx.begin_forward(self.post_optim_event)
             self.post_optim_event = None
+            # torch's flag, a module attribute: no call without a profiler.
+            if autograd_profiler._is_profiler_enabled is not self.is_labelled:
+                self.set_labels(autograd_profiler._is_profiler_enabled)
             if self.device.type not in ("cpu", "meta"):
                 # As DDP and torch's FSDP2: inputs may arrive on the host.
                 args, kwargs = inputs_to_device((args, kwargs), self.device)

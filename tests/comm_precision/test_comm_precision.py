@@ -34,6 +34,7 @@ from dtensor_fsdp import CommPrecisionPolicy, MixedPrecisionPolicy, fully_shard
 from dtensor_fsdp.comm_precision.wire_format import WireLayout, decode, encode
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 HSDP_REPLICATE, HSDP_SHARD = 2, 2
@@ -407,13 +408,15 @@ def _expected_ops(
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=180)
+def run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=180, pool=gloo_pool)
 
 
 @pytest.fixture(scope="module")
-def hsdp_run() -> list[dict]:
-    return run_distributed(_hsdp_worker, HSDP_REPLICATE * HSDP_SHARD, timeout=180)
+def hsdp_run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(
+        _hsdp_worker, HSDP_REPLICATE * HSDP_SHARD, timeout=180, pool=gloo_pool
+    )
 
 
 def test_exact_run_bytes_match_the_formula(run):

@@ -56,6 +56,7 @@ from dtensor_fsdp import (
 )
 from dtensor_fsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 STEPS, RESUME_AT = 6, 3
@@ -345,14 +346,14 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def run(tmp: str) -> Run:
-    return run_distributed(_worker, WORLD_SIZE, tmp, timeout=240)
+def run(tmp: str, gloo_pool: GlooPools) -> Run:
+    return run_distributed(_worker, WORLD_SIZE, tmp, timeout=240, pool=gloo_pool)
 
 
 @pytest.fixture(scope="module")
-def hsdp_run(run: Run, tmp: str) -> Run:
+def hsdp_run(run: Run, tmp: str, gloo_pool: GlooPools) -> Run:
     # After `run`: its W=2 checkpoint is loaded here at a data-parallel world size of 4.
-    return run_distributed(_hsdp_worker, 4, tmp, timeout=240)
+    return run_distributed(_hsdp_worker, 4, tmp, timeout=240, pool=gloo_pool)
 
 
 def _assert_bitwise(reference: dict[str, Any], resumed: dict[str, Any], rank: int) -> None:

@@ -24,6 +24,7 @@ from torch.distributed.tensor import Shard
 
 from dtensor_fsdp import CommPrecisionPolicy, CPUOffloadPolicy, fully_shard
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 
 WORLD_SIZE = 4
 STEPS = 3
@@ -70,8 +71,8 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=180)
+def run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=180, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("variant", ["int8_offload", "int8_hpz"])

@@ -36,6 +36,7 @@ from tests._parity import (
     mean_over_world,
     placements,
 )
+from tests._pool import GlooPools
 from tests._tiny_llama import uneven_config
 
 WORLD_SIZE = 2
@@ -286,8 +287,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE)
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("tie", [False, True])

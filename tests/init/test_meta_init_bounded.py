@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from dtensor_fsdp import fully_shard, init_unsharded
 from dtensor_fsdp.models.llama import Llama
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 from tests._tiny_llama import uneven_config
 from tests.init.test_meta_init import _meta_llama, _stats
 
@@ -215,8 +216,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE)
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("budget", list(BUDGETS))

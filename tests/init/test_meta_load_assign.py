@@ -34,6 +34,7 @@ from tests._parity import (
     placements,
     step_against_torch,
 )
+from tests._pool import GlooPools
 from tests._tiny_llama import uneven_config
 
 WORLD_SIZE = 2
@@ -142,8 +143,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> Run:
-    return run_distributed(_run, WORLD_SIZE, timeout=300)
+def run(gloo_pool: GlooPools) -> Run:
+    return run_distributed(_run, WORLD_SIZE, timeout=300, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("form", ["dtensor", "full"])

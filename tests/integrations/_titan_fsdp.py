@@ -11,7 +11,8 @@ it calls (the non-weight-tied path, no CPU offload, no PP, the partial_dtensor m
   and ``_get_mesh_info``, as torchtitan imports them.
 - ``disable_fsdp_gradient_division`` also calls ``set_force_sum_reduction_for_comms``:
   torch's FSDP2 turns ``set_gradient_divide_factor(1.0)`` into ``PREMUL_SUM``, which
-  gloo rejects (TORCH_NOTES.md); torchtitan's symmetric-memory helper sets the same
+  gloo rejects ("Cannot use ReduceOp.PREMUL_SUM with Gloo"); torchtitan's
+  symmetric-memory helper sets the same
   flag for its own reasons. The reduction is a SUM either way.
 
 ``titan_meshes`` is torchtitan's ``ParallelDims.build_mesh`` for ``dp_shard = world``,

@@ -60,7 +60,7 @@ def _build(variant: str) -> nn.Module:
         num_key_value_heads=2,
         max_position_embeddings=2 * SEQ_LEN,
         tie_word_embeddings=variant == "tied",
-        # SDPA: FlexAttention's backward is not supported on CPU (TORCH_NOTES.md).
+        # SDPA: FlexAttention's backward is not supported on CPU (torch 2.13).
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)

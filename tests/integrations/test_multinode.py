@@ -8,8 +8,9 @@ rendezvous on a free port, exactly as on a cluster (``--nnodes 2 --node-rank R
 losses, grad norms and final full parameters (``--metrics-out``), which must match a
 single process training ``train.py``'s model on the same global batches.
 
-Per TORCH_NOTES.md, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` keeps the workers off the
-rendezvous store. The launches run in their own process groups and are killed, with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` keeps the workers off the launcher's
+rendezvous store: with it shared, torch 2.13's restarted workers can read the dead
+group's addresses from it and hang, or fail to connect. The launches run in their own process groups and are killed, with
 all their workers, if they outlast the deadline; the verdict rests on the metrics
 file, not on exit codes (gloo may abort at interpreter exit after the work is done).
 """

@@ -10,7 +10,8 @@ grouping (each block, then the root).
 Checked, with and without ``--activation-checkpointing``, on 2 ranks:
 
 - torch's run compiles (at least one dynamo graph: ``--compile`` is not a no-op) with no
-  graph break: torch keeps its FSDP hooks out of dynamo (TORCH_NOTES.md);
+  graph break: torch keeps its FSDP hooks out of dynamo (``torch._dynamo.disable`` on
+  each hook, and marks on the managed modules that dynamo's variable builder reads);
 - ours compiles the same number of graphs with no graph break, and its per-step losses,
   grad norms and final full parameters are bitwise equal to torch's: the same inductor
   kernels run on the same values, and the reductions over two ranks are exact in

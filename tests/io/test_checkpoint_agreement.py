@@ -37,6 +37,7 @@ from dtensor_fsdp.checkpoint import (
 )
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
+from tests._pool import GlooPools
 from tests.io.test_checkpoint_faults import corrupt_last_tensor
 
 # A failure must reach every rank this fast. Measured from the call to the exception:
@@ -213,8 +214,8 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def agreement_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("agreement")))
+def agreement_run(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("agreement")), pool=gloo_pool)
 
 
 # fault -> the step and failing rank every rank's message names

@@ -5,8 +5,8 @@ this rank's shard or a plain tensor, so no collective moves data. A bad value mu
 raise ``nn.Module``'s ``RuntimeError`` with torch's phrase, naming the key, before
 anything is copied: every local tensor of the model keeps its bits. torch's
 ``fully_shard`` raises the same type after copying the values before the bad one
-(TORCH_NOTES.md): each case shows that too, so the test would catch a copy-first
-implementation. NaN values are not bad: they load, as in torch.
+(torch 2.13's ``load_state_dict`` is not atomic: it leaves a half-loaded model): each
+case shows that too, so the test would catch a copy-first implementation. NaN values are not bad: they load, as in torch.
 """
 
 import re

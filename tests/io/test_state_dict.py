@@ -38,6 +38,7 @@ from dtensor_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from dtensor_fsdp.models.llama import Llama, LlamaConfig, apply_tensor_parallel, cross_entropy_loss
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import full, full_state, mean_over_world
+from tests._pool import GlooPools
 
 CONFIG = LlamaConfig(
     vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=88, max_seq_len=16
@@ -387,10 +388,10 @@ def _load_worker(rank: int, world_size: int, loads: dict[str, tuple[str, str]]) 
 
 
 @pytest.fixture(scope="module")
-def state_dict_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def state_dict_run(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> list[dict]:
     tmp = tmp_path_factory.mktemp("state_dict")
     os.makedirs(tmp / "export")
-    return run_distributed(_state_dict_worker, 2, str(tmp))
+    return run_distributed(_state_dict_worker, 2, str(tmp), pool=gloo_pool)
 
 
 # (save world size, save layout) -> [(load world size, load layout)]
@@ -406,7 +407,7 @@ def _name(world_size: int, layout: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def checkpoint_runs(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> dict:
     """Saves on every source world, then loads on every target world: spawns by world."""
     root = tmp_path_factory.mktemp("checkpoints")
     saves_by_world: dict[int, dict[str, tuple[str, str]]] = {}
@@ -415,14 +416,17 @@ def checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         saves_by_world.setdefault(world_size, {})[_name(world_size, layout)] = (layout, directory)
     saved = {}
     for world_size, saves in saves_by_world.items():
-        saved[world_size] = run_distributed(_save_worker, world_size, saves)
+        saved[world_size] = run_distributed(_save_worker, world_size, saves, pool=gloo_pool)
     loads_by_world: dict[int, dict[str, tuple[str, str]]] = {}
     for (src_world, src_layout), targets in TRANSFERS.items():
         for dst_world, dst_layout in targets:
             name = f"{_name(src_world, src_layout)}->{_name(dst_world, dst_layout)}"
             directory = str(root / _name(src_world, src_layout))
             loads_by_world.setdefault(dst_world, {})[name] = (dst_layout, directory)
-    loaded = {w: run_distributed(_load_worker, w, loads) for w, loads in loads_by_world.items()}
+    loaded = {
+        w: run_distributed(_load_worker, w, loads, pool=gloo_pool)
+        for w, loads in loads_by_world.items()
+    }
     return {"saved": saved, "loaded": loaded, "reference": _reference_losses(K + M)}
 
 
@@ -505,6 +509,7 @@ def test_bad_state_dict_rejected_whole(state_dict_run: list[dict], case: str) ->
         _assert_exact({k: (v, after[k]) for k, v in before.items()}, f"rank {rank} after {case}")
 
 
+@pytest.mark.full  # checkpoints across world sizes: 1, 2 and 4 ranks
 @pytest.mark.parametrize(
     ("src", "dst"),
     [(src, dst) for src, dsts in TRANSFERS.items() for dst in dsts],
@@ -536,6 +541,7 @@ def test_checkpoint_resumes_across_layouts(
         assert rec["losses"] == pytest.approx(reference[K:], rel=LOSS_RTOL), where
 
 
+@pytest.mark.full
 def test_checkpoint_same_world_returns_own_rank_extra(checkpoint_runs: dict) -> None:
     for world_size, layout in TRANSFERS:
         records = scenario_records(checkpoint_runs["saved"][world_size], _name(world_size, layout))
@@ -543,6 +549,7 @@ def test_checkpoint_same_world_returns_own_rank_extra(checkpoint_runs: dict) -> 
         assert os.path.basename(records[0]["path"]) == f"step_{K:08d}"
 
 
+@pytest.mark.full
 def test_save_then_load_dir_layout(checkpoint_runs: dict) -> None:
     """Only complete checkpoints remain: no ``.tmp`` directories after a save."""
     for world_size, layout in TRANSFERS:

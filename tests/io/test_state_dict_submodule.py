@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_fsdp import fully_shard
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import assert_pairs_equal, local_pairs
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 LAYOUTS = ("root", "list", "tied")
@@ -130,8 +131,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE)
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, pool=gloo_pool)
 
 
 def _assert_same_state_dict(ours: dict[str, tuple], theirs: dict[str, tuple], what: str) -> None:

@@ -140,7 +140,8 @@ def test_checked_training_is_torchs_plus_one_check_per_collective(run) -> None:
             real = [r for r in ours if r != ("all_gather", CHECK_NBYTES)]
 
             # The real collectives are the same in kind and bytes (gloo: ours reduce-
-            # scatters by all-to-all, torch by reduce_scatter; see TORCH_NOTES.md).
+            # scatters by all-to-all, torch by reduce_scatter_tensor, which gloo runs
+            # as a full all-reduce plus a copy-out of the rank's chunk).
             def kinds(records):
                 return sorted((k.replace("all_to_all", "reduce_scatter"), n) for k, n in records)
 

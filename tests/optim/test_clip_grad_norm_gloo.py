@@ -34,6 +34,7 @@ from dtensor_fsdp.models.llama import Llama, LlamaConfig, apply_tensor_parallel,
 from dtensor_fsdp.optim import clip_grad_norm_, get_total_norm
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 
 CONFIG = LlamaConfig(
     vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=88, max_seq_len=16
@@ -277,13 +278,13 @@ def _worker_4(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run_2() -> list[dict]:
-    return run_distributed(_worker_2, 2)
+def run_2(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker_2, 2, pool=gloo_pool)
 
 
 @pytest.fixture(scope="module")
-def run_4() -> list[dict]:
-    return run_distributed(_worker_4, 4, timeout=180)
+def run_4(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker_4, 4, timeout=180, pool=gloo_pool)
 
 
 def _assert_same_clip(record: dict, where: str) -> None:

@@ -70,6 +70,7 @@ from dtensor_fsdp.optim.muon import adjust_lr
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import adamw_param_atol, assert_pairs_equal, full
+from tests._pool import GlooPools
 
 STEPS = 20
 TORCH_STEPS = 5  # against torch's fully_shard + torch.optim.Muon
@@ -379,10 +380,12 @@ def _worker(rank: int, world_size: int, directory: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list]:
+def runs(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> dict[int, list]:
     """One spawn per world size; 2 first: it saves the checkpoint that 2 and 4 load."""
     directory = str(tmp_path_factory.mktemp("muon_ckpt"))
-    return {w: run_distributed(_worker, w, directory, timeout=240) for w in (2, 4)}
+    return {
+        w: run_distributed(_worker, w, directory, timeout=240, pool=gloo_pool) for w in (2, 4)
+    }
 
 
 @pytest.mark.parametrize(

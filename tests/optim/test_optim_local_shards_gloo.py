@@ -42,6 +42,7 @@ from dtensor_fsdp.models.llama import Llama, LlamaConfig, apply_tensor_parallel,
 from dtensor_fsdp.optim import step_on_local_shards
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import full, full_state, mean_over_world
+from tests._pool import GlooPools
 from tests.optim._optim_cases import CASES
 
 CONFIG = LlamaConfig(
@@ -336,14 +337,16 @@ def _load_worker(rank: int, world_size: int, path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def runs(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> dict:
     directory = str(tmp_path_factory.mktemp("local_shard_ckpt"))
-    two = run_distributed(_worker_2, 2, directory)
-    path = scenario_records(two, "save")[0]["path"]
-    return {
-        "two": two,
-        "loaded": {w: run_distributed(_load_worker, w, path) for w in (4, 1)},
-    }
+    return {"two": run_distributed(_worker_2, 2, directory, pool=gloo_pool)}
+
+
+@pytest.fixture(scope="module")
+def loaded(runs: dict, gloo_pool: GlooPools) -> dict[int, list]:
+    """The W=2 checkpoint loaded at other world sizes (4 and 1: full tier only)."""
+    path = scenario_records(runs["two"], "save")[0]["path"]
+    return {w: run_distributed(_load_worker, w, path, pool=gloo_pool) for w in (4, 1)}
 
 
 def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
@@ -420,8 +423,9 @@ def test_checkpoint_resume_same_world_is_bitwise(runs: dict) -> None:
         assert rec["lr"][0] == rec["lr"][1] == 1e-2 * 0.5, "StepLR decayed after the resume"
 
 
-def test_fsdp_tp_bitwise_equal_to_torch(runs: dict) -> None:
-    records = scenario_records(runs["loaded"][4], "fsdp_tp")
+@pytest.mark.full
+def test_fsdp_tp_bitwise_equal_to_torch(loaded: dict[int, list]) -> None:
+    records = scenario_records(loaded[4], "fsdp_tp")
     for rank, rec in enumerate(records):
         assert len(rec["losses"]["torch"]) == TP_STEPS
         assert rec["losses"]["ours_local"] == rec["losses"]["ours"] == rec["losses"]["torch"]
@@ -433,11 +437,12 @@ def test_fsdp_tp_bitwise_equal_to_torch(runs: dict) -> None:
     )
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("world_size", [4, 1])
-def test_checkpoint_resume_other_world(runs: dict, world_size: int) -> None:
+def test_checkpoint_resume_other_world(runs: dict, loaded: dict[int, list], world_size: int) -> None:
     saved = scenario_records(runs["two"], "save")[0]
     assert any(key.endswith("/exp_avg_sq") for key in saved["saved"])
-    for rank, rec in enumerate(scenario_records(runs["loaded"][world_size], "load")):
+    for rank, rec in enumerate(scenario_records(loaded[world_size], "load")):
         where = f"2 -> {world_size} rank {rank}"
         local, dtensor = rec["ours_local"], rec["ours"]
         _assert_equal(local["loaded"], saved["saved"], f"{where} loaded state")

@@ -18,6 +18,7 @@ from dtensor_fsdp.models.block_stack import BlockStack
 from dtensor_fsdp.plan.auto import AutoGroup, apply_calls
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 
 N_BLOCKS, DIM, BATCH, STEPS = 8, 32, 16, 3
 BUDGET_OVER_FINEST = 1.3  # room to merge blocks and keep the last group, not more
@@ -104,13 +105,14 @@ def _run(
 
 
 @pytest.fixture(scope="module")
-def runs(auto: AutoPlan) -> list[dict[str, Any]]:
-    return run_distributed(_run, 2, auto.groups, auto.forward_prefetch)
+def runs(auto: AutoPlan, gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, 2, auto.groups, auto.forward_prefetch, pool=gloo_pool)
 
 
 def _totals(records: list[tuple[str, int]]) -> dict[str, tuple[int, int]]:
     """``{kind: (count, bytes)}``; ours' gloo reduce-scatter is an all-to-all of the
-    same buffer (TORCH_NOTES.md), torch's a reduce_scatter: one kind here."""
+    same buffer (gloo's reduce_scatter_tensor is a full all-reduce plus a copy-out,
+    twice a ring's traffic), torch's a reduce_scatter: one kind here."""
     out: dict[str, tuple[int, int]] = {}
     for kind, size in records:
         kind = "reduce_scatter" if kind == "all_to_all" else kind

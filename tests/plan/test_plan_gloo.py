@@ -35,6 +35,7 @@ from dtensor_fsdp.plan.recorders import FrozenSafeMemTracker, collective_totals
 from dtensor_fsdp.plan.settings import largest_module_list
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 from tests._tiny_llama import frozen_tiny_llama
 
 CONFIG = LlamaConfig.tiny()
@@ -161,8 +162,8 @@ def _run(rank: int, world_size: int) -> dict[str, tuple[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[int, list]:
-    return {world: run_distributed(_run, world) for world in (2, 4)}
+def runs(gloo_pool: GlooPools) -> dict[int, list]:
+    return {world: run_distributed(_run, world, pool=gloo_pool) for world in (2, 4)}
 
 
 def _plan(name: str, backend: str = "nccl"):

@@ -34,6 +34,7 @@ from tests._parity import (
     local_pairs,
     make_optimizer,
 )
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 MICRO = 3  # micro-batches per optimizer step
@@ -272,8 +273,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE)
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("how", ["sync_last", "keep", "no_sync_context"])

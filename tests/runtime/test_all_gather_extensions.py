@@ -76,6 +76,7 @@ from dtensor_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tests._c10d import C10dRecorder, bytes_of, count_of
 from tests._harness import fake_mesh, run_distributed, run_scenarios, scenario_records
 from tests._parity import assert_pairs_equal, local_trainable_grad_pairs
+from tests._pool import GlooPools
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="needs torchao (float8, int8, NF4)")
@@ -543,8 +544,8 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=240)
+def run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=240, pool=gloo_pool)
 
 
 def _params(names: list[str]) -> list:

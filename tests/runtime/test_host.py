@@ -28,6 +28,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 IMPL_MODULES = {"ours": "dtensor_fsdp", "torch": "torch.distributed.fsdp"}  # --fsdp-impl
@@ -109,8 +110,8 @@ def _run(rank: int, world_size: int, impl: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(fsdp_impl: str) -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=120)
+def run(fsdp_impl: str, gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=120, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_fsdp import fully_shard as ours_fully_shard
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 
 DIM = 64
 IMPLS = {"ours": ours_fully_shard, "torch": torch_fully_shard}
@@ -130,8 +131,8 @@ def _run(rank: int, world_size: int) -> dict[str, tuple[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, tuple[str, Any]]]:
-    return run_distributed(_run, 2)
+def run(gloo_pool: GlooPools) -> list[dict[str, tuple[str, Any]]]:
+    return run_distributed(_run, 2, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("raf", [True, False], ids=lambda raf: f"raf={raf}")

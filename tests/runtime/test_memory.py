@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 from dtensor_fsdp import CommTrace, MixedPrecisionPolicy, fully_shard
 from tests._c10d import ReduceScatterInputs
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 
 
 def _model(mesh: Any, reshard_after_forward: bool) -> nn.Sequential:
@@ -125,8 +126,8 @@ def _alive_after_delete(mesh: Any, shard: Any) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def record() -> dict[str, Any]:
-    return run_distributed(_run, 2)[0]
+def record(gloo_pool: GlooPools) -> dict[str, Any]:
+    return run_distributed(_run, 2, pool=gloo_pool)[0]
 
 
 def test_reshard_after_forward_frees_unsharded_storage(record: dict[str, Any]) -> None:
@@ -269,8 +270,8 @@ def _in_flight_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def in_flight() -> list[dict[str, Any]]:
-    return run_distributed(_in_flight_worker, 2)
+def in_flight(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_in_flight_worker, 2, pool=gloo_pool)
 
 
 def _counts(in_flight: list, name: str) -> list[dict[str, int]]:
@@ -448,8 +449,8 @@ def _peak_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["W1", "W2"])
-def peaks(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
-    return run_distributed(_peak_worker, request.param)
+def peaks(request: pytest.FixtureRequest, gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_peak_worker, request.param, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("dtypes", list(_PEAK_POLICIES))
@@ -530,9 +531,12 @@ _HSDP_SHAPES = {2: [(2,), (2, 1), (1, 2)], 4: [(2, 2)]}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
-def inputs_alive(request: pytest.FixtureRequest) -> tuple[list[dict[str, Any]], list]:
+def inputs_alive(
+    request: pytest.FixtureRequest, gloo_pool: GlooPools
+) -> tuple[list[dict[str, Any]], list]:
     shapes = _HSDP_SHAPES[request.param]
-    return run_distributed(_hsdp_worker, request.param, shapes, timeout=240), shapes
+    run = run_distributed(_hsdp_worker, request.param, shapes, timeout=240, pool=gloo_pool)
+    return run, shapes
 
 
 def test_hsdp_holds_one_reduce_scatter_input(inputs_alive: tuple) -> None:

@@ -28,6 +28,7 @@ from dtensor_fsdp import CommTrace, MixedPrecisionPolicy, fully_shard
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
 from tests._parity import adamw_param_atol, full, make_optimizer, mean_over_world
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -151,8 +152,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE)
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, pool=gloo_pool)
 
 
 def _max_diff(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> float:

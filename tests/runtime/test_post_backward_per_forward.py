@@ -36,6 +36,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from dtensor_fsdp import fully_shard as ours_fully_shard
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 
 DIM, BLOCKS, STEPS = 256, 4, 2
 # Two steps of a healthy run take well under a second per rank; the hang this guards
@@ -141,8 +142,8 @@ def _run(rank: int, world_size: int) -> dict[str, tuple[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, tuple[str, Any]]]:
-    return run_distributed(_run, 2)
+def run(gloo_pool: GlooPools) -> list[dict[str, tuple[str, Any]]]:
+    return run_distributed(_run, 2, pool=gloo_pool)
 
 
 def _assert_like_torch(ours: dict[str, list], theirs: dict[str, list], where: str) -> None:
@@ -179,8 +180,8 @@ def _kept_on_rank0(rank: int, world_size: int) -> dict[str, Any]:
     return {impl: _kept(shard, keep=rank == 0) for impl, shard in IMPLS.items()}
 
 
-def test_output_kept_on_one_rank_does_not_hang() -> None:
-    ranks = run_distributed(_kept_on_rank0, 2, timeout=DEADLINE_S)
+def test_output_kept_on_one_rank_does_not_hang(gloo_pool: GlooPools) -> None:
+    ranks = run_distributed(_kept_on_rank0, 2, timeout=DEADLINE_S, pool=gloo_pool)
     for rank, record in enumerate(ranks):
         _assert_like_torch(record["ours"], record["torch"], f"kept on rank 0, rank {rank}")
     assert ranks[0]["ours"]["collectives"] == ranks[1]["ours"]["collectives"]

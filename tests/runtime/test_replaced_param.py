@@ -29,6 +29,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import assert_pairs_equal, local_pairs
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -148,8 +149,8 @@ def _run(rank: int, world_size: int, impl: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(fsdp_impl: str) -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=120)
+def run(fsdp_impl: str, gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=120, pool=gloo_pool)
 
 
 def test_parameter_replaced_before_lazy_init_is_adopted_and_trains_like_torch(run) -> None:

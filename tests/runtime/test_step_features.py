@@ -30,6 +30,7 @@ from dtensor_fsdp import (
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
 from tests._parity import assert_pairs_close
+from tests._pool import GlooPools
 from tests.runtime._lockstep import (
     STEPS,
     WORLD_SIZE,
@@ -253,8 +254,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, timeout=180)
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, timeout=180, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("name", ["offload", "offload_unpinned"])

@@ -30,6 +30,7 @@ from dtensor_fsdp.runtime.comm_strategies import DefaultReduceScatter
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
 from tests._parity import local_pairs, make_optimizer
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -146,9 +147,9 @@ def _worker(rank: int, world_size: int, store_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def run(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> list[dict]:
     store_dir = str(tmp_path_factory.mktemp("backend_stores"))
-    return run_distributed(_worker, WORLD_SIZE, store_dir, timeout=180)
+    return run_distributed(_worker, WORLD_SIZE, store_dir, timeout=180, pool=gloo_pool)
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_fsdp import fully_shard
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 IMPLS = {"ours": fully_shard, "torch": torch_fully_shard}
@@ -247,13 +248,13 @@ def _hpz(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def records() -> dict[str, Any]:
-    return run_distributed(_scenarios, WORLD_SIZE)[0]
+def records(gloo_pool: GlooPools) -> dict[str, Any]:
+    return run_distributed(_scenarios, WORLD_SIZE, pool=gloo_pool)[0]
 
 
 @pytest.fixture(scope="module")
-def hpz() -> dict[str, Any]:
-    return run_distributed(_hpz, 4)[0]
+def hpz(gloo_pool: GlooPools) -> dict[str, Any]:
+    return run_distributed(_hpz, 4, pool=gloo_pool)[0]
 
 
 def _assert_used_unsharded_and_resharded_after(record: dict[str, Any], backward: bool) -> None:
@@ -320,6 +321,7 @@ def test_no_gradient_sync_issues_no_reduce_scatter(records) -> None:
         assert kinds == ["all_gather"] * 5, kinds
 
 
+@pytest.mark.full
 def test_hpz_backward_all_gathers_over_the_smaller_mesh(hpz: dict[str, Any]) -> None:
     # Blocks keep 1/2 of their unsharded params after forward (W=4, k=2), so their
     # backward all-gathers move the same bytes over 2 ranks: (k-1)/k of them on the

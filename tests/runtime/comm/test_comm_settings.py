@@ -35,6 +35,7 @@ from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
 from tests._parity import assert_pairs_equal, local_pairs
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 STEPS = 2
@@ -179,8 +180,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, timeout=120)
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, timeout=120, pool=gloo_pool)
 
 
 def _assert_bitwise(records: list[dict[str, Any]], rank: int) -> None:

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from dtensor_fsdp import fully_shard as ours_fully_shard
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 
 DIM, STEPS = 8, 2
 
@@ -72,8 +73,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, Any]]:
-    return run_distributed(_run, 2)
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, 2, pool=gloo_pool)
 
 
 def test_prefetched_once_per_forward_like_torch(run: list[dict[str, Any]]) -> None:

@@ -29,6 +29,7 @@ from dtensor_fsdp import (
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
 from tests._parity import assert_pairs_close, full_pairs, local_pairs
+from tests._pool import GlooPools
 from tests.runtime._lockstep import (
     BATCH,
     STEPS,
@@ -295,8 +296,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, timeout=180)
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, timeout=180, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("name", ["divide_factor_1", "force_sum", "force_sum_factor_1"])

@@ -37,6 +37,7 @@ from tests._parity import (
     placements,
     train_against_reference,
 )
+from tests._pool import GlooPools
 
 WORLD_SIZE, REPLICATE, SHARD = 4, 2, 2
 STEPS = 3
@@ -281,8 +282,8 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=180)
+def run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=180, pool=gloo_pool)
 
 
 def test_params_are_replicate_shard0_dtensors(run):

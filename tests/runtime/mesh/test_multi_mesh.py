@@ -35,6 +35,7 @@ from dtensor_fsdp import fully_shard as fully_shard_ours
 from tests._c10d import C10dRecorder, ReduceScatterInputs
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import assert_pairs_close, local_pairs
+from tests._pool import GlooPools
 
 WORLD_SIZE = 4
 DIM, EXPERTS, BATCH, STEPS = 8, 4, 3, 2
@@ -251,8 +252,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE)
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, pool=gloo_pool)
 
 
 TRAINING = [

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 
 from dtensor_fsdp import CommTrace, DataParallelMeshDims, fully_shard
 from tests._harness import run_distributed
+from tests._pool import GlooPools
 
 STEPS = 3
 
@@ -56,8 +57,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def records() -> list[dict[str, Any]]:
-    return run_distributed(_run, 4)
+def records(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, 4, pool=gloo_pool)
 
 
 def test_training_matches_the_single_process_reference(records: list[dict[str, Any]]) -> None:

@@ -39,6 +39,7 @@ from tests._parity import (
     step_against_torch,
     train_against_reference,
 )
+from tests._pool import GlooPools
 
 WORLD_SIZE, DP, TP = 4, 2, 2
 STEPS = 3
@@ -188,13 +189,13 @@ def _hsdp_worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=180)
+def run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=180, pool=gloo_pool)
 
 
 @pytest.fixture(scope="module")
-def hsdp_run() -> list[dict]:
-    return run_distributed(_hsdp_worker, WORLD_SIZE, timeout=180)
+def hsdp_run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_hsdp_worker, WORLD_SIZE, timeout=180, pool=gloo_pool)
 
 
 COLWISE = (_StridedShard(0, split_factor=TP), Shard(0))  # FSDP chunks TP's row chunk

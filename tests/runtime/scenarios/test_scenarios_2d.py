@@ -36,6 +36,7 @@ from tests._parity import (
     step_against_torch,
     train_against_reference,
 )
+from tests._pool import GlooPools
 
 WORLD_SIZE, DP, TP = 4, 2, 2
 STEPS = 3
@@ -121,8 +122,8 @@ def _run(rank: int, world_size: int, impl: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(fsdp_impl: str) -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=240)
+def run(fsdp_impl: str, gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=240, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(*c) for c in CASES])

@@ -42,6 +42,7 @@ from tests._parity import (
     full_pairs,
     local_pairs,
 )
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 DIM = 8
@@ -389,8 +390,8 @@ def _run(rank: int, world_size: int, impl: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(fsdp_impl: str) -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=180)
+def run(fsdp_impl: str, gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=180, pool=gloo_pool)
 
 
 # ---------------------------------------------------------------------------

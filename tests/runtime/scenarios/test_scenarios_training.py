@@ -53,6 +53,7 @@ from tests._parity import (
     local_pairs,
     mean_over_world,
 )
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 DIM = 8
@@ -630,8 +631,8 @@ def _run(rank: int, world_size: int, impl: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(fsdp_impl: str) -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=300)
+def run(fsdp_impl: str, gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, fsdp_impl, timeout=300, pool=gloo_pool)
 
 
 def _diff(ours: dict, theirs: dict) -> dict:

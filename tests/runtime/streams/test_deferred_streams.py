@@ -39,6 +39,7 @@ from dtensor_fsdp import (
 from tests._deferred_streams import DeferredStreams
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
+from tests._pool import GlooPools
 
 WORLD_SIZE = 4
 STEPS = 2
@@ -270,8 +271,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, Any]]:
-    return run_distributed(_run, WORLD_SIZE, timeout=300)
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, WORLD_SIZE, timeout=300, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("name", list(CASES))

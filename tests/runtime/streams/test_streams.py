@@ -53,6 +53,7 @@ from dtensor_fsdp.runtime.streams import CommStreams, DeviceStreams, StreamRole
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
 from tests._parity import local_pairs
+from tests._pool import GlooPools
 
 WORLD_SIZE = 4
 
@@ -644,9 +645,9 @@ def _run(rank: int, world_size: int, tmp_dir: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def run(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> list[dict[str, Any]]:
     tmp_dir = str(tmp_path_factory.mktemp("stream_traces"))
-    return run_distributed(_run, WORLD_SIZE, tmp_dir, timeout=240)
+    return run_distributed(_run, WORLD_SIZE, tmp_dir, timeout=240, pool=gloo_pool)
 
 
 def _assert_equal_pairs(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], what: str) -> None:
