@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from common.dist import slowest_seconds
+from common.tensor_memory import restart_step, total_bytes
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
@@ -285,13 +287,9 @@ def _peak(case: Case, built: tuple[Any, torch.optim.Optimizer], batch: Any) -> i
     model, optimizer = built
     with MemTracker() as tracker:
         for _ in range(2):
-            tracker.reset_mod_stats()
-            # MemTracker has no public reset: the two fields its __enter__ sets.
-            tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
-            tracker._peak_mem = {d: s["Total"] for d, s in tracker._peak_mem_snap.items()}
+            restart_step(tracker)
             _step(case, model, optimizer, batch)
-        peak = tracker.get_tracker_snapshot("peak")
-    return sum(s["Total"] for d, s in peak.items() if d.type == "cpu")
+        return total_bytes(tracker.get_tracker_snapshot("peak"))
 
 
 def _count(case: Case, model: Any, optimizer: torch.optim.Optimizer, batch: Any) -> int:
@@ -303,12 +301,9 @@ def _count(case: Case, model: Any, optimizer: torch.optim.Optimizer, batch: Any)
 
 
 def _timed_step(case: Case, model: Any, optimizer: torch.optim.Optimizer, batch: Any) -> tuple:
-    dist.barrier()
-    start = time.perf_counter()
-    loss = _step(case, model, optimizer, batch)
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's step
-    return elapsed.item(), loss
+    losses = []
+    seconds = slowest_seconds(lambda: losses.append(_step(case, model, optimizer, batch)))
+    return seconds, losses[0]
 
 
 def main() -> None:

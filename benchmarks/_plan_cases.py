@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_train import C10dRecorder, reset_peak, total_bytes  # same directory
+from common.tensor_memory import restart_step, total_bytes
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -23,6 +23,7 @@ from dtensor_fsdp.models.llama import PRESETS, Llama, cross_entropy_loss
 from dtensor_fsdp.plan import shard_largest_module_list
 from dtensor_fsdp.plan.recorders import collective_totals
 from dtensor_fsdp.plan.settings import OPTIMIZERS, default_loss
+from tests._c10d import C10dRecorder
 
 SEQ = 32  # tokens per sequence (Llama) or positions (encoder)
 SEQUENCES = 2  # per rank
@@ -142,8 +143,7 @@ def measure(case: Case) -> Measured:
         optimizer = OPTIMIZERS[kwargs["optimizer"]](model.parameters())
         batch = make_batch(case.model)
         for _ in range(2):
-            tracker.reset_mod_stats()  # MemTracker refuses a second iteration otherwise
-            reset_peak(tracker)
+            restart_step(tracker)
             with C10dRecorder() as recorder:
                 kwargs["loss_fn"](model, batch).backward()
                 optimizer.step()

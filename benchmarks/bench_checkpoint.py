@@ -24,12 +24,12 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 import zlib
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from common.dist import slowest_seconds
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -67,16 +67,6 @@ def build(args: argparse.Namespace) -> tuple[Llama, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def timed(fn) -> float:
-    """Seconds of ``fn`` on the slowest rank."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
-
-
 def directory_bytes(path: str) -> int:
     return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
 
@@ -91,7 +81,7 @@ def crc_seconds(path: str) -> float:
                 while chunk := f.read(1 << 22):
                     crc = zlib.crc32(chunk, crc)
 
-    return timed(run)
+    return slowest_seconds(run)
 
 
 def measure(
@@ -123,12 +113,16 @@ def measure(
             )
 
         saved: list[str] = []
-        times["dcp_save"].append(timed(dcp_save))
+        times["dcp_save"].append(slowest_seconds(dcp_save))
         times["ours_save"].append(
-            timed(lambda: saved.append(save_checkpoint(ours, 1, model, optimizer, {"step": 1})))  # noqa: B023
+            slowest_seconds(
+                lambda: saved.append(save_checkpoint(ours, 1, model, optimizer, {"step": 1}))
+            )  # noqa: B023
         )
-        times["dcp_load"].append(timed(dcp_load))
-        times["ours_load"].append(timed(lambda: load_checkpoint(saved[0], model, optimizer)))  # noqa: B023
+        times["dcp_load"].append(slowest_seconds(dcp_load))
+        times["ours_load"].append(
+            slowest_seconds(lambda: load_checkpoint(saved[0], model, optimizer))
+        )  # noqa: B023
         size = directory_bytes(saved[0])
         crc.append(crc_seconds(saved[0]))
     return {k: statistics.median(v) for k, v in times.items()}, statistics.median(crc), size

@@ -28,25 +28,24 @@ counted apart.
 """
 
 import cProfile
-import pstats
-
 import dataclasses
-import gc
 import json
+import pstats
 import statistics
 
 import torch.distributed as dist
 from bench_train import (  # same directory
-    C10dRecorder,
     Impl,
     build_config,
     build_impl,
-    init_distributed,
     parse_args,
     time_rounds,
     train_step,
 )
+from common.dist import init_distributed, leave_process_group
 from torch.distributed.device_mesh import init_device_mesh
+
+from tests._c10d import C10dRecorder
 
 CONFIGS = {  # (divergence check, non-finite check, watchdog)
     "ours": (False, False, True),
@@ -85,9 +84,7 @@ def count_step(impl: Impl, config, args, device) -> dict[str, int]:
         profiler.disable()
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     store_calls = sum(
-        calls
-        for (_, _, name), (_, calls, *_) in stats.items()
-        if name in STORE_CALL_NAMES
+        calls for (_, _, name), (_, calls, *_) in stats.items() if name in STORE_CALL_NAMES
     )
     # The step guard (runtime/step_guard.py) is on in every configuration of ours:
     # its own calls, the optimizer hook included (its callers add one builtin each).
@@ -164,8 +161,7 @@ def main() -> None:
             print("BENCH_JSON " + json.dumps({"model": args.model, "results": results}), flush=True)
         del impls
     finally:
-        gc.collect()
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 if __name__ == "__main__":

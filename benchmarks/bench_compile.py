@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _compile_recipes import FSDP, IMPLS, ROWS, Build, Row, compile_blocks, eager, fsdp_impl
+from common.dist import leave_process_group
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -420,8 +421,7 @@ def main() -> None:
                 with open(args.out, "w") as f:
                     json.dump(results, f, indent=1)
     finally:
-        gc.collect()  # see train.py's main: free FSDP's cycles before gloo's teardown
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 if __name__ == "__main__":

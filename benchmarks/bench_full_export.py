@@ -30,7 +30,7 @@ import tempfile
 
 import safetensors.torch
 import torch.distributed as dist
-from _bench_memory import MIB, linear_stack, measure
+from common.rss import MIB, linear_stack, measure
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard as torch_fully_shard

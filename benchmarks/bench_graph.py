@@ -66,113 +66,39 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from _graph_configs import (  # same directory
+    BUSY,
+    EIGHT_B,
+    Runner,
+    Workload,
+    build,
+    host_bound,
+    llama,
+    narrow,
+    precision,
+    shard,
+)
+from common.device import sync, warm_up_cublas
+from common.spawn import run_ranks
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.profiler import ProfilerActivity, profile
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-
-from _bench_spawn import run_ranks
 
 import dtensor_fsdp
 from dtensor_fsdp.models.llama import (
     Llama,
-    LlamaConfig,
     cross_entropy_loss,
     swiglu_hidden_dim,
 )
-from dtensor_fsdp.optim import step_on_local_shards
 from tests._c10d import KINDS, C10dRecorder, count_of
 
 CONFIGS = ("plain", "ours", "graph", "torch", "torch+compile")
 WORLD_SIZE = 8
 MiB = 2**20
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    config: LlamaConfig
-    batch: int
-    seq: int
-    bf16: bool
-
-
-def llama(dim: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int):
-    return LlamaConfig(
-        vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads,
-        ffn_hidden_dim=ffn, max_seq_len=seq,
-    )  # fmt: skip
-
-
-def host_bound(layers: int, batch: int = 2, seq: int = 128) -> Workload:
-    config = llama(256, layers, 4, 4, swiglu_hidden_dim(256), 1024, 256)
-    return Workload(f"host-bound ({layers} blocks)", config, batch, seq, bf16=False)
-
-
-EIGHT_B = Workload(
-    "8B-shaped (8 blocks)", llama(4096, 8, 32, 8, 14336, 128256, 4096), 1, 4096, True
-)
-BUSY = Workload(
-    "busy 0.88B", llama(2048, 16, 16, 16, swiglu_hidden_dim(2048), 16384, 2048), 2, 2048, True
-)
-
-
-@dataclass
-class Runner:
-    """One configuration, built: a step is ``step(runner, tokens)``."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    autocast: bool  # the plain model's bf16: autocast (fp32 master weights, as FSDP's)
-
-
-def build(name: str, workload: Workload, mesh: DeviceMesh, device: torch.device) -> Runner:
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Llama(workload.config)
-    bf16 = workload.bf16
-    ours = name in ("ours", "graph", "graph+cudagraphs")
-    if ours:
-        policy = dtensor_fsdp.MixedPrecisionPolicy(**precision(bf16))
-        shard(model, functools.partial(dtensor_fsdp.fully_shard, mesh=mesh, mp_policy=policy))
-    if name == "graph":
-        dtensor_fsdp.compile(model, backend="inductor", fullgraph=False, dynamic=False)
-    if name == "graph+cudagraphs":
-        dtensor_fsdp.compile(
-            model, backend="inductor", fullgraph=False, dynamic=False, mode="reduce-overhead"
-        )
-    if name == "torch+compile":
-        for block in model.layers:
-            block.compile(backend="inductor", fullgraph=True)
-    if name in ("torch", "torch+compile"):
-        policy = TorchMixedPrecisionPolicy(**precision(bf16))
-        shard(model, functools.partial(torch_fully_shard, mesh=mesh, mp_policy=policy))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    if ours:
-        # Our best configuration: the same AdamW, bitwise, on the local shards without
-        # DTensor's per-op dispatch (the optimizer runs outside graph mode's graphs).
-        step_on_local_shards(optimizer)
-    return Runner(model, optimizer, autocast=bf16 and name == "plain")
-
-
-def precision(bf16: bool) -> dict[str, torch.dtype]:
-    """Both FSDPs' mixed precision: bf16 gathers and compute, fp32 reduction."""
-    return {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
-
-
-def shard(model: Llama, fully_shard: Callable[[nn.Module], object]) -> None:
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
 
 
 def step(runner: Runner, tokens: torch.Tensor) -> None:
@@ -182,8 +108,7 @@ def step(runner: Runner, tokens: torch.Tensor) -> None:
     loss.backward()
     runner.optimizer.step()
     runner.optimizer.zero_grad()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
 
 
 @dataclass
@@ -424,16 +349,6 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
-def warm_cublas(device: torch.device) -> None:
-    """cuBLAS keeps a workspace per stream (32 MiB, inside the caching allocator) from
-    a process's first matmul on it: pay it before any configuration's memory is
-    measured."""
-    if device.type == "cuda":
-        layer = nn.Linear(64, 64, device=device)
-        layer(torch.randn(8, 64, device=device, requires_grad=True)).sum().backward()
-        torch.cuda.synchronize()
-
-
 def main() -> None:
     args = parse_args()
     device = pick_device(args.device)
@@ -447,7 +362,7 @@ def main() -> None:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
     mesh = init_device_mesh(device.type, (WORLD_SIZE,))
-    warm_cublas(device)
+    warm_up_cublas(device)
     print(f"torch {torch.__version__}, device {device}, fake process group W={WORLD_SIZE}")
     layers = 8 if args.quick else 32
     host = host_bound(layers)
@@ -512,11 +427,6 @@ def run_host_time(layers: int, args: argparse.Namespace) -> tuple[float | None, 
         print(f"  host time per step: graph / ours eager = {ratios[-1]:.2f} (target <= 0.35)")
         print(f"  what FSDP adds to the plain step: graph / ours eager = {overhead:.2f}")
     return ratios[0], overhead
-
-
-def narrow(layers: int) -> Workload:
-    config = llama(16, layers, 4, 4, swiglu_hidden_dim(16), 1024, 256)
-    return Workload(f"host-bound at width 16 ({layers} blocks)", config, 1, 1, bf16=False)
 
 
 def last_line(summary: dict[str, object]) -> str:

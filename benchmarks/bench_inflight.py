@@ -31,60 +31,28 @@ import dataclasses
 import gc
 import json
 import statistics
-import weakref
 
 import torch.distributed as dist
-from _bench_dist import reduce_over_ranks  # same directory
-from _bench_report import MiB  # same directory
+from _train_report import MiB  # same directory
 from bench_train import (  # same directory
     Impl,
     batch_for_step,
     build_config,
     build_impl,
     cross_entropy_loss,
-    init_distributed,
     parse_args,
-    reset_peak,
     time_rounds,
-    total_bytes,
     train_step,
 )
+from common.dist import init_distributed, leave_process_group, reduce_over_ranks
+from common.tensor_memory import reset_peak, total_bytes
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtensor_fsdp
+from tests._c10d import ReduceScatterInputs
 
 IN_FLIGHT = (1, 2, 3)
-# c10d op -> index of its input buffer: what a reduce-scatter reduces.
-REDUCE_OPS = {
-    "alltoall_base_": 1,
-    "_reduce_scatter_base_": 1,
-    "reduce_scatter_tensor_coalesced_": 1,
-}
-
-
-class ReduceInputs(TorchDispatchMode):
-    """At each reduce-scatter issued, the live bytes of every reduce-scatter input issued
-    so far in this step: the new one and those still held (in flight or retained)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inputs: list[tuple[weakref.ref, int]] = []
-        self.peak_bytes = 0
-        self.peak_count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        index = REDUCE_OPS.get(func._opname) if func.namespace == "c10d" else None
-        if index is not None:
-            inputs = args[index] if isinstance(args[index], list) else [args[index]]
-            for tensor in inputs:
-                storage = tensor.untyped_storage()
-                self.inputs.append((weakref.ref(storage), storage.nbytes()))
-            live = [nbytes for ref, nbytes in self.inputs if ref() is not None]
-            self.peak_bytes = max(self.peak_bytes, sum(live))
-            self.peak_count = max(self.peak_count, len(live))
-        return func(*args, **(kwargs or {}))
 
 
 def build(name: str, config, mesh, device, args) -> Impl:
@@ -106,7 +74,7 @@ def measure_memory(name: str, config, mesh, device, args) -> dict[str, int]:
         loss = cross_entropy_loss(impl.model(tokens[:, :-1]), tokens[:, 1:])  # (B, T) each
         at_backward = total_bytes(tracker.get_tracker_snapshot("current"))
         reset_peak(tracker)
-        with ReduceInputs() as inputs:
+        with ReduceScatterInputs() as inputs:
             loss.backward()
         peak = total_bytes(tracker.get_tracker_snapshot("peak"))
         impl.optimizer.step()
@@ -160,8 +128,7 @@ def main() -> None:
             report(args, config, names, memory, times, losses, exposed)
         del impls
     finally:
-        gc.collect()
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 def report(args, config, names, memory, times, losses, exposed) -> None:

@@ -31,12 +31,12 @@ import dataclasses
 import gc
 import json
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from common.dist import slowest_seconds
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -137,16 +137,6 @@ def peak_allocated(fn: Callable[[], Any]) -> tuple[Any, int]:
     return result, peak
 
 
-def timed(fn: Callable[[], Any]) -> float:
-    """Seconds of ``fn`` on the slowest rank."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
-
-
 def measure_mode(mode: str, config: LlamaConfig, mesh: DeviceMesh, repeats: int) -> dict:
     (model, reported), total = peak_allocated(
         lambda: (m := prepare(mode, config, mesh), init(mode, m))
@@ -157,7 +147,7 @@ def measure_mode(mode: str, config: LlamaConfig, mesh: DeviceMesh, repeats: int)
     seconds = []
     for _ in range(repeats):
         model = prepare(mode, config, mesh)
-        seconds.append(timed(lambda model=model: init(mode, model)))
+        seconds.append(slowest_seconds(lambda model=model: init(mode, model)))
     return {
         "total_peak": total,
         "init_peak": init_peak,

@@ -36,12 +36,12 @@ import argparse
 import dataclasses
 import json
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from common.dist import slowest_seconds
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -233,16 +233,6 @@ def all_to_alls(params: list[nn.Parameter]) -> Callable[[], None]:
     return run
 
 
-def timed(fn: Callable[[], None]) -> float:
-    """Seconds of one call, the slowest rank's."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor(time.perf_counter() - start)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
-
-
 def timing(config: LlamaConfig, args: argparse.Namespace) -> tuple[dict, dict]:
     params = with_grads(config, args)
     ours, theirs = Muon(params, lr=MUON_LR), torch.optim.Muon(params, lr=MUON_LR)
@@ -259,7 +249,7 @@ def timing(config: LlamaConfig, args: argparse.Namespace) -> tuple[dict, dict]:
     for round_index in range(args.warmup + args.steps):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            seconds = timed(variants[name])
+            seconds = slowest_seconds(variants[name])
             if round_index >= args.warmup:
                 times[name].append(seconds)
     return times, comms

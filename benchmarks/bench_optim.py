@@ -42,13 +42,11 @@ import dataclasses
 import gc
 import json
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _bench_dist import reduce_over_ranks  # same directory
-from bench_train import init_distributed, sync  # same directory
+from common.dist import init_distributed, leave_process_group, reduce_over_ranks, slowest_seconds
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -99,19 +97,6 @@ def tokens_for(step: int, config: LlamaConfig, args: argparse.Namespace, device:
         config.vocab_size, (args.batch_size * world, args.seq_len + 1), generator=generator
     )
     return tokens.chunk(world)[rank].to(device)  # (B, T + 1)
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds of ``fn()`` on the slowest rank, after a barrier. On CUDA the device is
-    drained before the clock starts (no earlier kernel is counted) and after ``fn``
-    (none of its kernels is missed)."""
-    dist.barrier()
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    elapsed = time.perf_counter() - start
-    return reduce_over_ranks([elapsed], dist.ReduceOp.MAX)[0]
 
 
 def rotated(items: dict, round_: int) -> list:
@@ -180,7 +165,7 @@ def bench_step(model: Llama, variant: str, args: argparse.Namespace, device: tor
     times: dict[str, list[float]] = {name: [] for name in optimizers}
     for round_ in range(args.warmup + args.steps):
         for name, optimizer in rotated(optimizers, round_):
-            seconds = timed(optimizer.step, device)
+            seconds = slowest_seconds(optimizer.step, device)
             if round_ >= args.warmup:
                 times[name].append(seconds)
     bitwise = all(
@@ -218,7 +203,7 @@ def bench_clip(model: Llama, args: argparse.Namespace, device: torch.device) -> 
         times: dict[str, list[float]] = {name: [] for name in clippers}
         for round_ in range(args.warmup + args.steps):
             for name, clip in rotated(clippers, round_):
-                seconds = timed(clip, device)
+                seconds = slowest_seconds(clip, device)
                 if round_ >= args.warmup:
                     times[name].append(seconds)
         ms = {name: median_ms(values) for name, values in times.items()}
@@ -266,7 +251,7 @@ def bench_train(config: LlamaConfig, mesh: DeviceMesh, args, device) -> dict:
     times: dict[str, list[float]] = {name: [] for name in runs}
     for step in range(args.warmup + args.steps):
         for name, run in rotated(runs, step):
-            seconds = timed(
+            seconds = slowest_seconds(
                 lambda run=run, step=step: train_step(run, step, config, args, device), device
             )
             if step >= args.warmup:
@@ -374,8 +359,7 @@ def main() -> None:
             print_report(results)
             print("BENCH_OPTIM_JSON " + json.dumps(results), flush=True)
     finally:
-        gc.collect()
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import time
 from typing import Any
 
 import scale_sim  # same directory
-from _bench_spawn import run_ranks
 from _plan_cases import (
     CASES,
     QUICK_CASES,
@@ -44,6 +43,7 @@ from _plan_cases import (
     measure_on_fake_group,
     plan_kwargs,
 )
+from common.spawn import run_ranks
 
 from dtensor_fsdp.plan import Plan, plan
 from dtensor_fsdp.plan.__main__ import parse_args as plan_cli_args
@@ -125,9 +125,7 @@ def predicted_vs_measured(cases: list[Case]) -> list[RealRow]:
         for i, case in enumerate(subset):
             measured[case] = [results[i] for results in by_rank]
     return [
-        RealRow(
-            case, plans[case, "gloo"], plans[case, "nccl"], measured[case], on_fake_group[case]
-        )
+        RealRow(case, plans[case, "gloo"], plans[case, "nccl"], measured[case], on_fake_group[case])
         for case in cases
     ]
 

@@ -70,7 +70,7 @@ Method, in four phases (the third optional):
    exports ``DIR/<impl>_rank<r>.json`` (Chrome trace; ``plot_timeline.py`` draws it) and,
    for ours, its ``CommTrace`` as ``DIR/ours_commtrace_rank<r>.json``.
 
-4. **Report** on rank 0 (``_bench_report.py``): a table, the analytic FSDP bytes bound,
+4. **Report** on rank 0 (``_train_report.py``): a table, the analytic FSDP bytes bound,
    the ratios, and a final ``BENCH_JSON {...}`` line.
 
 "Ring wire bytes" is what each rank sends with a ring algorithm: (W-1)/W of the buffer
@@ -93,24 +93,24 @@ import json
 import os
 import sys
 import time
-import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from _bench_dist import reduce_over_ranks  # same directory
-from _bench_report import build_results, print_report  # same directory
+from _train_report import build_results, print_report  # same directory
+from common.comms import ring_wire_bytes, summarize
+from common.device import sync, warm_up_cublas
+from common.dist import init_distributed, leave_process_group, reduce_over_ranks
+from common.tensor_memory import ReceiveBuffers, restart_step, total_bytes
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, schedule
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
+
+from tests._c10d import C10dRecorder
 
 try:
     import dtensor_fsdp
@@ -174,19 +174,6 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     args.impls = impls
     return args
-
-
-def init_distributed(device_arg: str) -> torch.device:
-    """Join torchrun's process group: NCCL on CUDA, gloo on CPU."""
-    use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return device
 
 
 def build_config(args: argparse.Namespace) -> LlamaConfig:
@@ -260,117 +247,7 @@ def train_step(
     return loss.detach()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # Measurement #
-
-
-class C10dRecorder(TorchDispatchMode):
-    """Records each c10d collective that passes the dispatcher: (kind, unsharded bytes)."""
-
-    # op name -> (kind, index of the argument holding the unsharded buffer)
-    OPS: ClassVar[dict[str, tuple[str, int]]] = {
-        "_allgather_base_": ("all_gather", 0),
-        "allgather_into_tensor_coalesced_": ("all_gather", 0),
-        "allgather_": ("all_gather", 0),
-        "_reduce_scatter_base_": ("reduce_scatter", 1),
-        "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-        "reduce_scatter_": ("reduce_scatter", 1),
-        "alltoall_base_": ("all_to_all", 1),
-        "allreduce_": ("all_reduce", 0),
-        "allreduce_coalesced_": ("all_reduce", 0),
-        "broadcast_": ("broadcast", 0),
-    }
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            name = func._opname
-            kind, index = self.OPS.get(name, (name, None))
-            nbytes = _nbytes(args[index]) if index is not None else 0
-            self.records.append((kind, nbytes))
-        return func(*args, **(kwargs or {}))
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(item) for item in value)
-    return 0
-
-
-def ring_wire_bytes(kind: str, nbytes: float, world: int) -> float:
-    factor = 2 if kind == "all_reduce" else 1
-    return factor * (world - 1) / world * nbytes
-
-
-def reset_peak(tracker: MemTracker) -> None:
-    """Start MemTracker's peak afresh from the current live memory.
-
-    MemTracker has no public reset; these are the two fields its ``__enter__`` sets
-    (checked on torch 2.13). Without them the peak would also cover the model build
-    and step 1.
-    """
-    if not hasattr(tracker, "_peak_mem") or not hasattr(tracker, "_peak_mem_snap"):
-        raise RuntimeError("MemTracker's peak fields changed: update reset_peak()")
-    tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
-    tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._peak_mem_snap.items()}
-
-
-def total_bytes(snapshot: dict[torch.device, dict[str, int]]) -> int:
-    return sum(snap["Total"] for dev, snap in snapshot.items() if dev.type == "cpu")
-
-
-class ReceiveBuffers(TorchDispatchMode):
-    """Entered inside a MemTracker: its live bytes after every op, and when each
-    all-to-all receive buffer lived, for the peak without those buffers."""
-
-    def __init__(self, tracker: MemTracker) -> None:
-        super().__init__()
-        self.tracker = tracker
-        self.totals: list[int] = []  # live bytes after op i
-        self._created: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> op index
-        self._buffers: list[list[int | None]] = []  # [first op live, first op freed, bytes]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if DTensor in types:
-            return NotImplemented  # as MemTracker: DTensor desugars to local ops first
-        kwargs = kwargs or {}
-        if func.namespace == "c10d" and func._opname == "alltoall_base_":
-            storage = args[0].untyped_storage()  # the output: this rank's receive buffer
-            entry = [self._created.get(storage, len(self.totals)), None, storage.nbytes()]
-            self._buffers.append(entry)
-            weakref.finalize(storage, self._freed, entry)
-        out = func(*args, **kwargs)
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage() not in self._created:
-                self._created[tensor.untyped_storage()] = len(self.totals)
-        self.totals.append(total_bytes(self.tracker.get_tracker_snapshot("current")))
-        return out
-
-    def _freed(self, entry: list[int | None]) -> None:
-        entry[1] = len(self.totals)
-
-    def peak_without_buffers(self) -> int:
-        return max(
-            (
-                total
-                - sum(
-                    nbytes
-                    for first, freed, nbytes in self._buffers
-                    if first <= op and (freed is None or op < freed)
-                )
-                for op, total in enumerate(self.totals)
-            ),
-            default=0,
-        )
 
 
 @dataclasses.dataclass
@@ -384,24 +261,6 @@ class Isolated:
     """kind -> {"count", "nbytes", "wire_bytes"} per step"""
     ddp_bucket_sizes: list[int] | None = None
     trace_summary: dict[str, Any] | None = None
-
-
-def warm_up_cublas(device: torch.device) -> None:
-    """Have cuBLAS allocate its workspaces now, before any impl's memory is counted.
-
-    cuBLAS takes a workspace (32 MiB on Hopper) from the caching allocator at the first
-    matmul of each handle and stream, and keeps it for the process. Forward matmuls run
-    on this thread's handle, backward ones on the autograd device thread's: without this
-    warm-up the impl measured first would carry both (64 MiB) in its peak and states,
-    and the others none. A matmul with a bias too, in case cuBLASLt (addmm) keeps its
-    own workspace. Constant inputs: no random number is drawn.
-    """
-    x = torch.ones(8, 64, device=device, requires_grad=True)  # (batch, in)
-    weight = torch.ones(64, 64, device=device, requires_grad=True)  # (out, in)
-    bias = torch.ones(64, device=device, requires_grad=True)
-    torch.nn.functional.linear(x, weight).sum().backward()
-    torch.nn.functional.linear(x, weight, bias).sum().backward()
-    sync(device)
 
 
 def measure_memory(
@@ -429,22 +288,11 @@ def measure_memory(
         impl = impl_factory()
         train_step(impl, config, args, device)
         at_step = total_bytes(tracker.get_tracker_snapshot("current"))
-        tracker.reset_mod_stats()  # MemTracker refuses a second iteration otherwise
-        reset_peak(tracker)
+        restart_step(tracker)
         with ReceiveBuffers(tracker) as buffers:
             train_step(impl, config, args, device)
         peak = total_bytes(tracker.get_tracker_snapshot("peak"))
     return impl, at_step, peak, buffers.peak_without_buffers()
-
-
-def summarize(records: list[tuple[str, int]], world: int) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for kind, nbytes in records:
-        entry = out.setdefault(kind, {"count": 0, "nbytes": 0, "wire_bytes": 0.0})
-        entry["count"] += 1
-        entry["nbytes"] += nbytes
-        entry["wire_bytes"] += ring_wire_bytes(kind, nbytes, world)
-    return out
 
 
 def count_comms(
@@ -639,10 +487,7 @@ def main() -> None:
             print("BENCH_JSON " + json.dumps(results), flush=True)
         del impls
     finally:
-        # FSDP's module <-> state cycles keep the mesh (and its group) alive until the
-        # cyclic GC runs; at interpreter exit gloo's teardown can abort. Collect first.
-        gc.collect()
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 if __name__ == "__main__":

@@ -38,23 +38,17 @@ generate_allgathers/groups=Z offload_roundtrip=bitwise|differs``.
 import argparse
 import contextlib
 import json
-import os
-import sys
-import time
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from _weight_sync_layouts import layouts
+from common.dist import reduce_over_ranks, slowest_seconds
+from common.rss import MIB, linear_stack, measure, mmap_threshold_set
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-
-from _bench_dist import reduce_over_ranks
-from _bench_memory import MIB, linear_stack, measure, mmap_threshold_set
-from _weight_sync_layouts import layouts
 
 from dtensor_fsdp import fully_shard
 from dtensor_fsdp.models.llama import Llama, LlamaConfig
@@ -93,10 +87,6 @@ def parse_args() -> argparse.Namespace:
 def say(text: str) -> None:
     if dist.get_rank() == 0:
         print(text, flush=True)
-
-
-def slowest(seconds: float) -> float:
-    return reduce_over_ranks([seconds], dist.ReduceOp.MAX)[0]
 
 
 # Bitwise #
@@ -182,13 +172,6 @@ def _bucketed_bytes(nbytes: int, bucket: int) -> list[int]:
     return [min(bucket, nbytes - start) for start in range(0, nbytes, bucket)]
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    return slowest(time.perf_counter() - start)
-
-
 def speed(args: argparse.Namespace) -> tuple[float, dict[str, float]]:
     model = _llama_on_host(args)
     numel = sum(p.numel() for p in model.parameters())
@@ -219,7 +202,7 @@ def speed(args: argparse.Namespace) -> tuple[float, dict[str, float]]:
     times = dict.fromkeys(methods, float("inf"))
     for _ in range(args.speed_repeats):
         for name, method in methods.items():
-            times[name] = min(times[name], _timed(method))
+            times[name] = min(times[name], slowest_seconds(method))
     y = times["all_gather"] / times["stream"]
     say(f"speed: Llama {numel / 1e9:.2f}B parameters ({args.speed_layers} layers, dim "
         f"{args.speed_dim}), streamed in bf16, {nbytes / 2**30:.2f} GiB gathered per rank, "

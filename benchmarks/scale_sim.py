@@ -51,7 +51,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from bench_train import reset_peak, total_bytes  # same directory
+from common.tensor_memory import restart_step, total_bytes
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -205,8 +205,7 @@ def step_peak(model_name: str, world: int, impl: str, seq_len: int) -> tuple[int
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 tokens = torch.randint(0, model.config.vocab_size, (1, seq_len + 1))  # (1, T+1)
                 for step in range(2):
-                    tracker.reset_mod_stats()  # MemTracker refuses a second iteration otherwise
-                    reset_peak(tracker)
+                    restart_step(tracker)
                     at_start = total_bytes(tracker.get_tracker_snapshot("current"))
                     logits = model(tokens[:, :-1])  # (1, T, vocab_size)
                     cross_entropy_loss(logits, tokens[:, 1:]).backward()

@@ -1,4 +1,4 @@
-"""benchmarks/_bench_dist.py: the benchmarks' own reductions across ranks (slowest-rank
+"""benchmarks/common/dist.py: the benchmarks' own reductions across ranks (slowest-rank
 step times, all-ranks flags) hand each collective a tensor its process group's backend
 serves.
 
@@ -13,7 +13,7 @@ CPU tensor.
 import argparse
 import dataclasses
 import importlib
-import importlib.util
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,10 +26,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-_spec = importlib.util.spec_from_file_location("_bench_dist", BENCHMARKS / "_bench_dist.py")
-_bench_dist = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_bench_dist)
-collective_device, reduce_over_ranks = _bench_dist.collective_device, _bench_dist.reduce_over_ranks
+# The benchmarks import their shared modules as ``common.*`` (benchmarks/ on sys.path).
+sys.path.insert(0, str(BENCHMARKS))
+
+from common.dist import collective_device, reduce_over_ranks, slowest_seconds
 
 
 @contextmanager
@@ -100,7 +100,7 @@ def _one_unsharded_round(bench_train: ModuleType) -> None:
 REDUCTIONS: dict[str, Callable[[ModuleType, ModuleType], object]] = {
     "reduce_over_ranks": lambda train, optim: reduce_over_ranks([0.25, 1.5], dist.ReduceOp.MAX),
     "bench_train.time_rounds": lambda train, optim: _one_unsharded_round(train),
-    "bench_optim.timed": lambda train, optim: optim.timed(lambda: None, torch.device("cpu")),
+    "slowest_seconds": lambda train, optim: slowest_seconds(lambda: None, torch.device("cpu")),
     "bench_optim.all_ranks": lambda train, optim: optim.all_ranks(True),
 }
 

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py, the GPU check, on this CPU machine: what of it runs without
+"""benchmarks/gpu_check/, the GPU check, on this CPU machine: what of it runs without
 a GPU. Its command line (``--only``, ``--list``, the skip without CUDA), the table and
 the exit status, the comparison that turns one flipped bit into a MISMATCH, the
 deadline that turns a hung or raising row into an ERROR, and a whole gloo row on CPU
@@ -21,17 +21,15 @@ import torch
 from expecttest import assert_expected_inline
 
 REPO = Path(__file__).resolve().parents[2]
-# The script imports its sibling modules by name, and so do the ranks it spawns
-# (spawn hands them this process's sys.path).
+# The check's modules import each other as ``gpu_check.*`` and the benchmarks' shared
+# ones as ``common.*``, and so do the ranks it spawns (spawn hands them this process's
+# sys.path).
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import _gpu_check_frameworks as frameworks
-import _gpu_check_probes as probes
-import _gpu_check_rows as rows
-import gpu_check
-from _gpu_check_compare import compare_bitwise
-from _gpu_check_launch import RankSpec, RowError, run_ranks
-from _gpu_check_report import (
+from gpu_check import check, frameworks, probes, rows
+from gpu_check.compare import compare_bitwise
+from gpu_check.launch import RankSpec, RowError, run_ranks
+from gpu_check.report import (
     Check,
     Outcome,
     RowResult,
@@ -39,35 +37,35 @@ from _gpu_check_report import (
     format_report,
     row_result,
 )
-from _gpu_check_train import Rank, Record, Setting, offload_problems
+from gpu_check.training import Rank, Record, Setting, offload_problems
 
 from dtensor_fsdp import CommEvent, CommTrace, DeviceTiming
 
 
 def test_only_selects_rows_in_table_order() -> None:
-    args = gpu_check.parse_args(["--only", "w4_hpz,fp32", "--device", "cpu"])
+    args = check.parse_args(["--only", "w4_hpz,fp32", "--device", "cpu"])
     assert [row.name for row in args.rows] == ["fp32", "w4_hpz"]
     assert (args.device, args.quick, args.out, args.budget_s) == ("cpu", False, None, 540.0)
 
 
 def test_only_refuses_an_unknown_row(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        gpu_check.parse_args(["--only", "fp32,fp64"])
+        check.parse_args(["--only", "fp32,fp64"])
     assert exit_info.value.code == 2
     assert "--only: unknown rows ['fp64']; the rows are fp32,bf16," in capsys.readouterr().err
 
 
 def test_list_names_every_row(capsys: pytest.CaptureFixture[str]) -> None:
-    assert gpu_check.main(["--list"]) == 0
+    assert check.main(["--list"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert listed == gpu_check.ROW_NAMES
+    assert listed == check.ROW_NAMES
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the skip is for machines without CUDA")
 def test_skips_cleanly_without_cuda() -> None:
     # As CI runs it: its own interpreter, the default arguments.
     done = subprocess.run(  # noqa: PLW1510 - the exit code is asserted
-        [sys.executable, "benchmarks/gpu_check.py"], cwd=REPO, capture_output=True, text=True,
+        [sys.executable, "benchmarks/gpu_check"], cwd=REPO, capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
     assert (done.returncode, done.stdout.strip()) == (
@@ -80,7 +78,7 @@ def test_nothing_imported_needs_expecttest() -> None:
     # made unimportable (train.py and bench_train.py too: the check launches them).
     code = (
         "import sys; sys.modules['expecttest'] = None; sys.path[:0] = ['benchmarks', '.']; "
-        "import gpu_check, _gpu_check_rows, _gpu_check_probes, _gpu_check_jobs, bench_train, train"
+        "import gpu_check.check, gpu_check.rows, gpu_check.probes, gpu_check.jobs, bench_train, train"
     )
     done = subprocess.run(  # noqa: PLW1510 - the exit code is asserted
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
@@ -226,7 +224,7 @@ def test_a_mismatching_study_fails(tmp_path: Path) -> None:
 def test_gloo_row_on_cpu_tensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """w2_fp32 as the GPU runs it, on CPU tensors: ours bitwise torch's, close to the
     plain model, timed and profiled, and its files written as for the device tool."""
-    assert gpu_check.main(["--device", "cpu", "--only", "w2_fp32", "--out", str(tmp_path)]) == 0
+    assert check.main(["--device", "cpu", "--only", "w2_fp32", "--out", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     checks = {check["name"]: check for check in row["checks"]}
     assert row["verdict"] == "ok" and checks.keys() == {"ours = torch", "ours ~ plain"}

@@ -1,4 +1,4 @@
-"""``gpu_check.py``'s rows that check one mechanism each, on spawned ranks:
+"""The GPU check's rows that check one mechanism each, on spawned ranks:
 
 - ``mechanisms``: CUDA memory across steps (stream-ordered reuse of the all-gather
   buffers: no new ``cudaMalloc`` and the same allocated and reserved bytes from step 3
@@ -12,10 +12,18 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from _gpu_check_launch import RankSpec
-from _gpu_check_report import Outcome
-from _gpu_check_rows import MiB, setup, shape_for
-from _gpu_check_train import (
+from _plan_cases import next_token_loss  # the loss bench_plan.py plans and measures
+from torch import nn
+from torch.nn.attention import SDPBackend
+
+import dtensor_fsdp
+from dtensor_fsdp.models.llama import Llama
+from dtensor_fsdp.plan import shard_largest_module_list
+from dtensor_fsdp.plan.settings import OPTIMIZERS
+from gpu_check.launch import RankSpec
+from gpu_check.report import Outcome
+from gpu_check.rows import MiB, setup, shape_for
+from gpu_check.training import (
     PeakMeter,
     Rank,
     Setting,
@@ -29,14 +37,6 @@ from _gpu_check_train import (
     tokens_for,
     warm_up,
 )
-from _plan_cases import next_token_loss  # the loss bench_plan.py plans and measures
-from torch import nn
-from torch.nn.attention import SDPBackend
-
-import dtensor_fsdp
-from dtensor_fsdp.models.llama import Llama
-from dtensor_fsdp.plan import shard_largest_module_list
-from dtensor_fsdp.plan.settings import OPTIMIZERS
 
 MECHANISM_STEPS = 6
 STEADY_FROM = 2  # step 3 on: step 1 made the optimizer states, step 2 reuses what is cached

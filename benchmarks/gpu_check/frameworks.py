@@ -1,4 +1,4 @@
-"""``gpu_check.py``'s rows that drive dtensor_fsdp through a framework, on spawned ranks:
+"""The GPU check's rows that drive dtensor_fsdp through a framework, on spawned ranks:
 
 - ``accelerate``: accelerate's FSDP2 plugin path end to end (``Accelerator(fsdp_plugin=
   FullyShardedDataParallelPlugin(fsdp_version=2, ...))``, ``accelerator.prepare(model,
@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 import torch.distributed.fsdp as torch_fsdp
-from _gpu_check_launch import RankSpec, join_group
-from _gpu_check_report import Outcome
-from _gpu_check_rows import shape_for
-from _gpu_check_train import SEED, Shape, attention, local_copies, optimizer_for
 from torch.distributed.tensor import DTensor
 
 import dtensor_fsdp
 from dtensor_fsdp.integrations import use_dtensor_fsdp
 from dtensor_fsdp.models.llama import Llama, cross_entropy_loss
+from gpu_check.launch import RankSpec, join_group
+from gpu_check.report import Outcome
+from gpu_check.rows import shape_for
+from gpu_check.training import SEED, Shape, attention, local_copies, optimizer_for
 
 ACCELERATE_STEPS, ACCELERATE_MICRO_BATCHES = 3, 2
 MAX_GRAD_NORM = 1.0

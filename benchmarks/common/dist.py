@@ -1,5 +1,6 @@
-"""Small reductions across ranks for the benchmarks' own bookkeeping (slowest-rank step
-times, all-ranks flags), on whichever device the process group's backend takes.
+"""Joining and leaving torchrun's process group, and small reductions across ranks for
+the benchmarks' own bookkeeping (slowest-rank step times, all-ranks flags), on whichever
+device the process group's backend takes.
 
 A CPU tensor handed to NCCL fails ("No backend type associated with device type cpu"),
 and a CUDA tensor handed to gloo-only groups costs a copy; so the device is asked of the
@@ -7,10 +8,39 @@ group, never derived from the backend's name (``dist.get_backend()`` reads ``"nc
 ``"gloo"``, ``"cuda:nccl,cpu:gloo"``, ``"undefined"``...).
 """
 
-from collections.abc import Sequence
+import gc
+import os
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from common.device import sync
+
+
+def init_distributed(device_arg: str) -> torch.device:
+    """Join torchrun's process group: NCCL on CUDA (``device_arg`` "cuda", or "auto"
+    with CUDA present), gloo on CPU; returns this rank's device."""
+    use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
+
+
+def leave_process_group() -> None:
+    """Destroy the default group, after the cyclic GC has run.
+
+    FSDP's module <-> state cycles keep the mesh (and its group) alive until the cyclic
+    GC runs; at interpreter exit gloo's teardown can abort. Collect first.
+    """
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -47,3 +77,18 @@ def reduce_over_ranks(
     tensor = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(tensor, op=op, group=group)
     return tensor.tolist()
+
+
+def slowest_seconds(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    """Seconds of ``fn()`` on the slowest rank, after a barrier. On CUDA (``device``)
+    the device is drained before the clock starts (no earlier kernel is counted) and
+    after ``fn`` (none of its kernels is missed)."""
+    dist.barrier()
+    if device is not None:
+        sync(device)
+    start = time.perf_counter()
+    fn()
+    if device is not None:
+        sync(device)
+    elapsed = time.perf_counter() - start
+    return reduce_over_ranks([elapsed], dist.ReduceOp.MAX)[0]

@@ -1,5 +1,6 @@
 """A process's peak resident set around one call, as ``bench_full_export.py`` and
 ``bench_weight_sync.py`` measure host memory, and the model both measure it on.
+(Live tensor bytes, as MemTracker counts them: ``tensor_memory.py``.)
 
 ``rss``: the peak resident set above where the call started (``VmHWM`` after resetting
 it through ``/proc/self/clear_refs``; Linux only); ``python``: Python objects alone

@@ -1,4 +1,4 @@
-"""``gpu_check.py``'s rows that run on spawned ranks: each is ``row(spec) -> Outcome``.
+"""The GPU check's rows that run on spawned ranks: each is ``row(spec) -> Outcome``.
 
 Most rows are a ``Study``: settings trained alone and compared (bitwise against torch's
 ``fully_shard``, within the numerics' tolerance against the plain model), their peak
@@ -10,10 +10,10 @@ study does not see: memory across steps and ``CommTrace``'s device times
 
 import dataclasses
 
-from _gpu_check_compare import compare_bitwise, compare_close, compare_with_plain
-from _gpu_check_launch import RankSpec, join_group
-from _gpu_check_report import Outcome
-from _gpu_check_train import (
+from gpu_check.compare import compare_bitwise, compare_close, compare_with_plain
+from gpu_check.launch import RankSpec, join_group
+from gpu_check.report import Outcome
+from gpu_check.training import (
     SHAPES,
     Rank,
     Record,

@@ -1,9 +1,9 @@
 """The GPU check: in one command, everything about dtensor_fsdp that only a GPU shows.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT  # one GPU, ~5 min (estimated)
-    python3 benchmarks/gpu_check.py --only offload,w4_hpz           # rerun some rows
-    python3 benchmarks/gpu_check.py --list                          # the rows
-    python3 benchmarks/gpu_check.py --device cpu --only w2_fp32     # a row on CPU tensors
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check --out $OUT  # one GPU, ~5 min (estimated)
+    python3 benchmarks/gpu_check --only offload,w4_hpz           # rerun some rows
+    python3 benchmarks/gpu_check --list                          # the rows
+    python3 benchmarks/gpu_check --device cpu --only w2_fp32     # a row on CPU tensors
 
 Every row compares ours (``dtensor_fsdp.fully_shard``) with torch's ``fully_shard`` on
 the same model, seed and tokens, and with the plain model where the arithmetic allows:
@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import shutil
-import sys
 import tarfile
 import tempfile
 import time
@@ -40,19 +39,12 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-# This checkout's dtensor_fsdp, not an installed one (the lent machines have none), for
-# this process and the ranks it spawns (spawn hands them sys.path).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _gpu_check_frameworks as frameworks
-import _gpu_check_graph as graph
-import _gpu_check_jobs as jobs
-import _gpu_check_post_training as post_training
-import _gpu_check_probes as probes
-import _gpu_check_rows as rows
 import torch
-from _gpu_check_launch import RankSpec, RowError, run_ranks
-from _gpu_check_report import (
+
+import dtensor_fsdp
+from gpu_check import frameworks, graph, jobs, post_training, probes, rows
+from gpu_check.launch import RankSpec, RowError, run_ranks
+from gpu_check.report import (
     Outcome,
     RowResult,
     exit_status,
@@ -60,9 +52,7 @@ from _gpu_check_report import (
     format_report,
     row_result,
 )
-from _gpu_check_report import to_json as results_json
-
-import dtensor_fsdp
+from gpu_check.report import to_json as results_json
 
 MiB = 2**20
 PACK_LIMIT = 15 * MiB  # per tar: the device tool brings back files of at most 16 MiB
@@ -307,7 +297,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return exit_status(results)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,8 +18,9 @@ The tolerances are those of ``tests/_parity.py`` ([Note: parity tolerances]):
 
 import torch
 import torch.distributed as dist
-from _gpu_check_report import Check
-from _gpu_check_train import LR, Rank, Record, local_part
+
+from gpu_check.report import Check
+from gpu_check.training import LR, Rank, Record, local_part
 
 ATOL = RTOL = 1e-5  # item 2 (and 3's losses and step-1 gradients)
 ADAM_UPDATE_BOUND = 1.05  # |m_hat / (sqrt(v_hat) + eps)| in the first 10 steps (item 3)

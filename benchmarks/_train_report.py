@@ -8,6 +8,8 @@ import dataclasses
 import statistics
 from typing import Any
 
+from common.stats import percentile
+
 MiB = 2**20
 # dtensor_fsdp reduce-scatters by all-to-all plus a local sum on gloo (see its README).
 LABELS = {"all_to_all": "reduce_scatter (all_to_all)"}
@@ -15,11 +17,6 @@ LABELS = {"all_to_all": "reduce_scatter (all_to_all)"}
 # than torch's fully_shard.
 TARGET_VS_UNSHARDED = 1.03
 TARGET_VS_TORCH = 1.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def comm_totals(comms: dict[str, dict[str, float]]) -> tuple[int, float, float]:

@@ -1,4 +1,4 @@
-"""``gpu_check.py``'s post-training rows (issue 40), on spawned ranks:
+"""The GPU check's post-training rows (issue 40), on spawned ranks:
 
 - ``phase_offload`` (CUDA only): ``offload_states``/``reload_states`` of a trained
   model with grads and AdamW state. Device memory after the offload holds at most 5%
@@ -19,25 +19,25 @@ import time
 
 import torch
 import torch.distributed as dist
-from _gpu_check_launch import RankSpec
-from _gpu_check_report import Outcome
-from _gpu_check_rows import MiB, setup, shape_for
-from _gpu_check_train import (
+from common.device import sync
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from dtensor_fsdp.post_training import PARAM_DTYPE, offload_states, reload_states, stream_weights
+from gpu_check.launch import RankSpec
+from gpu_check.report import Outcome
+from gpu_check.rows import MiB, setup, shape_for
+from gpu_check.training import (
     Rank,
     Setting,
     Shape,
     build,
     forward_backward,
     optimizer_for,
-    sync,
     tokens_for,
     warm_up,
 )
-from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
-
-from dtensor_fsdp.post_training import PARAM_DTYPE, offload_states, reload_states, stream_weights
 
 STEPS = 4
 ROUND_TRIP_AFTER = 1  # the round trips come after the second backward (grads held)

@@ -1,4 +1,4 @@
-"""The training runs ``gpu_check.py``'s rows are made of, on one rank of a row.
+"""The training runs the GPU check's rows are made of, on one rank of a row.
 
 A *setting* is one way to train the repo's Llama (``dtensor_fsdp/models/llama.py``): ours
 (``dtensor_fsdp.fully_shard``), torch's (``torch.distributed.fsdp.fully_shard``) or the
@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_train import reset_peak, total_bytes  # same directory
+from common.device import sync
+from common.tensor_memory import reset_peak, total_bytes
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -188,11 +189,6 @@ def forward_backward(model: nn.Module, tokens: torch.Tensor, deterministic: bool
         loss = cross_entropy_loss(model(inputs), targets)
         loss.backward()
     return loss.detach()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class PeakMeter:

@@ -1,4 +1,4 @@
-"""``gpu_check.py``'s results: what a row's ranks return (``Outcome``), how the ranks'
+"""The GPU check's results: what a row's ranks return (``Outcome``), how the ranks'
 outcomes become one verdict (``verdict_of``), the table, and the exit status.
 
 Verdicts: ``ok`` (every check passed), ``MISMATCH`` (a check failed on some rank: values,

@@ -1,4 +1,4 @@
-"""``gpu_check.py``'s rows that launch the repo's own commands under torchrun (one
+"""The GPU check's rows that launch the repo's own commands under torchrun (one
 process: NCCL on CUDA) and judge what they print and write: the main job's flags
 (``train.py``) and the benchmark (``benchmarks/bench_train.py``). They run in the
 checking process itself, which only starts and reads subprocesses.
@@ -10,8 +10,8 @@ import math
 import shutil
 from pathlib import Path
 
-from _gpu_check_launch import Finished, free_ports, run_commands, torchrun
-from _gpu_check_report import Outcome
+from gpu_check.launch import Finished, free_ports, run_commands, torchrun
+from gpu_check.report import Outcome
 
 # Flash attention's backward accumulates with atomics (seen on an H200), so
 # two bf16 runs part in the last bits from step 2 on, and CPU offload runs AdamW on the

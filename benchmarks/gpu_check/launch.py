@@ -1,4 +1,4 @@
-"""How ``gpu_check.py`` runs a row without letting it stop the others: its ranks as
+"""How the GPU check runs a row without letting it stop the others: its ranks as
 spawned processes, or its commands as subprocesses, each under a deadline, with their
 output in log files.
 
@@ -6,7 +6,7 @@ Ranks (``run_ranks``) join their group themselves (``join_group``), so a row can
 work before it (``plan()`` needs a process without a default group). Each rank writes
 its pickled result to a file, and the parent reads the files, never the exit codes:
 gloo workers sometimes abort at interpreter exit after their work is done ("terminate
-called without an active exception"). ``benchmarks/_bench_spawn.py`` is the same idea for CPU benchmarks; it
+called without an active exception"). ``benchmarks/common/spawn.py`` is the same idea for CPU benchmarks; it
 joins a gloo group before the function runs and leaves the output on the terminal,
 where four ranks' warnings would bury the table.
 
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _GRACE_AFTER_ERROR_S = 3.0  # the other ranks' chance to report their own error first
 _LOG_TAIL_LINES = 12
 

@@ -1,4 +1,4 @@
-"""``gpu_check.py``'s graph-mode rows (issue 39): the targets only a GPU shows. Written
+"""The GPU check's graph-mode rows (issue 39): the targets only a GPU shows. Written
 in a session without a GPU: unverified until a GPU check runs them.
 
 - ``graph_targets``: ``benchmarks/bench_graph.py --device cuda --skip host,bitwise``
@@ -15,9 +15,10 @@ import json
 import sys
 
 import torch
-from _gpu_check_jobs import JobContext
-from _gpu_check_launch import RankSpec, join_group, run_commands
-from _gpu_check_report import Outcome
+
+from gpu_check.jobs import JobContext
+from gpu_check.launch import RankSpec, join_group, run_commands
+from gpu_check.report import Outcome
 
 EIGHT_B_VS_TORCH = 0.80  # graph mode's 8B-shaped step over torch's eager step, at most
 BUSY = 0.90  # the 0.88B step with CUDA graphs: kernel time over step time, at least
