@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from common.workload import shard_blocks_then_root
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
@@ -46,14 +47,8 @@ def fsdp_impl(name: str) -> FSDP:
 Build = Callable[[Llama, FSDP, DeviceMesh], nn.Module]
 
 
-def shard_blocks_and_root(model: Llama, fsdp: FSDP, mesh: DeviceMesh) -> None:
-    for block in model.layers:
-        fsdp.fully_shard(block, mesh=mesh)
-    fsdp.fully_shard(model, mesh=mesh)
-
-
 def eager(model: Llama, fsdp: FSDP, mesh: DeviceMesh) -> nn.Module:
-    shard_blocks_and_root(model, fsdp, mesh)
+    shard_blocks_then_root(model, fsdp.fully_shard, mesh=mesh)
     return model
 
 
@@ -64,7 +59,7 @@ def compile_blocks(**compile_kwargs: Any) -> Build:
     def build(model: Llama, fsdp: FSDP, mesh: DeviceMesh) -> nn.Module:
         for block in model.layers:
             block.compile(**compile_kwargs)
-        shard_blocks_and_root(model, fsdp, mesh)
+        shard_blocks_then_root(model, fsdp.fully_shard, mesh=mesh)
         return model
 
     return build
@@ -72,7 +67,7 @@ def compile_blocks(**compile_kwargs: Any) -> Build:
 
 def compile_blocks_after_fsdp(backend: str) -> Build:
     def build(model: Llama, fsdp: FSDP, mesh: DeviceMesh) -> nn.Module:
-        shard_blocks_and_root(model, fsdp, mesh)
+        shard_blocks_then_root(model, fsdp.fully_shard, mesh=mesh)
         for block in model.layers:
             block.compile(backend=backend)
         return model
@@ -84,7 +79,7 @@ def compile_model(backend: str) -> Build:
     """FSDP first, then ``torch.compile(model)``: an OptimizedModule around the root."""
 
     def build(model: Llama, fsdp: FSDP, mesh: DeviceMesh) -> nn.Module:
-        shard_blocks_and_root(model, fsdp, mesh)
+        shard_blocks_then_root(model, fsdp.fully_shard, mesh=mesh)
         return torch.compile(model, backend=backend)
 
     return build
@@ -96,7 +91,7 @@ def swap_compiled_blocks(model: Llama, fsdp: FSDP, mesh: DeviceMesh) -> nn.Modul
     hooks sit outside the compiled ``_orig_mod``)."""
     for index, block in enumerate(model.layers):
         model.layers[index] = torch.compile(block, fullgraph=True)
-    shard_blocks_and_root(model, fsdp, mesh)
+    shard_blocks_then_root(model, fsdp.fully_shard, mesh=mesh)
     return model
 
 

@@ -3,11 +3,10 @@ and how each configuration builds its model and optimizer (plain, ours eager, gr
 mode, torch's ``fully_shard`` eager and per-block compiled).
 """
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from common.workload import shard_blocks_then_root
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
@@ -64,7 +63,7 @@ def build(name: str, workload: Workload, mesh: DeviceMesh, device: torch.device)
     ours = name in ("ours", "graph", "graph+cudagraphs")
     if ours:
         policy = dtensor_fsdp.MixedPrecisionPolicy(**precision(bf16))
-        shard(model, functools.partial(dtensor_fsdp.fully_shard, mesh=mesh, mp_policy=policy))
+        shard_blocks_then_root(model, dtensor_fsdp.fully_shard, mesh=mesh, mp_policy=policy)
     if name == "graph":
         dtensor_fsdp.compile(model, backend="inductor", fullgraph=False, dynamic=False)
     if name == "graph+cudagraphs":
@@ -76,7 +75,7 @@ def build(name: str, workload: Workload, mesh: DeviceMesh, device: torch.device)
             block.compile(backend="inductor", fullgraph=True)
     if name in ("torch", "torch+compile"):
         policy = TorchMixedPrecisionPolicy(**precision(bf16))
-        shard(model, functools.partial(torch_fully_shard, mesh=mesh, mp_policy=policy))
+        shard_blocks_then_root(model, torch_fully_shard, mesh=mesh, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     if ours:
         # Our best configuration: the same AdamW, bitwise, on the local shards without
@@ -88,12 +87,6 @@ def build(name: str, workload: Workload, mesh: DeviceMesh, device: torch.device)
 def precision(bf16: bool) -> dict[str, torch.dtype]:
     """Both FSDPs' mixed precision: bf16 gathers and compute, fp32 reduction."""
     return {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
-
-
-def shard(model: Llama, fully_shard: Callable[[nn.Module], object]) -> None:
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
 
 
 def narrow(layers: int) -> Workload:

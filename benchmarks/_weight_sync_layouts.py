@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from common.workload import shard_blocks_then_root
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -37,9 +38,7 @@ def _config(**changes: Any) -> LlamaConfig:
 def _llama(config: LlamaConfig, mesh: DeviceMesh, **kwargs: Any) -> Llama:
     torch.manual_seed(0)
     model = Llama(config)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, **kwargs)
-    return fully_shard(model, mesh=mesh, **kwargs)
+    return shard_blocks_then_root(model, fully_shard, mesh=mesh, **kwargs)
 
 
 def _two_axes(world_size: int) -> list[tuple[int, int]]:
@@ -53,9 +52,7 @@ def _tp(config: LlamaConfig, shape: tuple[int, int]) -> Llama:
     torch.manual_seed(0)
     model = Llama(config)
     apply_tensor_parallel(model, mesh["tp"])
-    for block in model.layers:
-        fully_shard(block, mesh=mesh["dp"])
-    return fully_shard(model, mesh=mesh["dp"])
+    return shard_blocks_then_root(model, fully_shard, mesh=mesh["dp"])
 
 
 def _moe(world_size: int) -> nn.Module:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from common.dist import slowest_seconds
+from common.workload import shard_blocks_then_root
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -56,9 +57,7 @@ def build(args: argparse.Namespace) -> tuple[Llama, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = Llama(config)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_blocks_then_root(model, fully_shard, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
     cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
@@ -116,13 +115,13 @@ def measure(
         times["dcp_save"].append(slowest_seconds(dcp_save))
         times["ours_save"].append(
             slowest_seconds(
-                lambda: saved.append(save_checkpoint(ours, 1, model, optimizer, {"step": 1}))
-            )  # noqa: B023
+                lambda: saved.append(save_checkpoint(ours, 1, model, optimizer, {"step": 1}))  # noqa: B023
+            )
         )
         times["dcp_load"].append(slowest_seconds(dcp_load))
         times["ours_load"].append(
-            slowest_seconds(lambda: load_checkpoint(saved[0], model, optimizer))
-        )  # noqa: B023
+            slowest_seconds(lambda: load_checkpoint(saved[0], model, optimizer))  # noqa: B023
+        )
         size = directory_bytes(saved[0])
         crc.append(crc_seconds(saved[0]))
     return {k: statistics.median(v) for k, v in times.items()}, statistics.median(crc), size

@@ -110,6 +110,7 @@ from _comm_precision_report import GB, plot, print_report  # same directory
 from common.comms import ring_wire_bytes
 from common.dist import leave_process_group, reduce_over_ranks
 from common.stats import percentile
+from common.workload import group_params
 
 from dtensor_fsdp import CommPrecisionPolicy
 from dtensor_fsdp.comm_precision.wire_format import WireLayout
@@ -340,10 +341,7 @@ def analytic_bytes(
             param_buffer_bytes(p, world, fmt, exact, block_size, quantized(p)) for p in params
         )
 
-    blocks = [list(block.parameters()) for block in model.layers]
-    in_blocks = {id(p) for params in blocks for p in params}
-    root = [p for p in model.parameters() if id(p) not in in_blocks]
-    groups = [*blocks, root]
+    groups = group_params(model)
     # Forward and backward all-gather each: train.py reshards every group, root included.
     ag = sum(2 * group_bytes(g, spec.ag_fmt, spec.ag_exact_bytes) for g in groups)
     rs = sum(group_bytes(g, spec.rs_fmt, spec.rs_exact_bytes) for g in groups)

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from _compile_recipes import FSDP, IMPLS, ROWS, Build, Row, compile_blocks, eager, fsdp_impl
 from common.dist import leave_process_group
+from common.workload import rank_tokens
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -71,12 +72,7 @@ MATRIX_CONFIG = LlamaConfig(
 def batch(step: int, config: LlamaConfig, rows: int, seed: int) -> torch.Tensor:
     """This rank's (rows, seq_len + 1) tokens of global step ``step``: the same for every
     run, different on every rank."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    tokens = torch.randint(
-        config.vocab_size, (rows * world, config.max_seq_len + 1), generator=generator
-    )
-    return tokens.chunk(world)[rank]
+    return rank_tokens(seed * 1_000_003 + step, config.vocab_size, rows, config.max_seq_len)
 
 
 @dataclasses.dataclass

@@ -80,10 +80,10 @@ from _graph_configs import (  # same directory
     llama,
     narrow,
     precision,
-    shard,
 )
 from common.device import sync, warm_up_cublas
 from common.spawn import run_ranks
+from common.workload import shard_blocks_then_root
 from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.profiler import ProfilerActivity, profile
@@ -295,7 +295,7 @@ def train_small(
     torch.manual_seed(0)
     model = Llama(SMALL)
     policy = dtensor_fsdp.MixedPrecisionPolicy(**precision(bf16))
-    shard(model, functools.partial(dtensor_fsdp.fully_shard, mesh=mesh, mp_policy=policy))
+    shard_blocks_then_root(model, dtensor_fsdp.fully_shard, mesh=mesh, mp_policy=policy)
     if graph:
         dtensor_fsdp.compile(model, backend="aot_eager", fullgraph=False)
     runner = Runner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), autocast=False)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from common.dist import slowest_seconds
+from common.workload import shard_blocks_then_root
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -74,9 +75,7 @@ def config_for(args: argparse.Namespace, n_layers: int) -> LlamaConfig:
 def sharded_meta(config: LlamaConfig, mesh: DeviceMesh, shard: Callable) -> Llama:
     with torch.device("meta"):
         model = Llama(config)
-    for block in model.layers:
-        shard(block, mesh=mesh)
-    shard(model, mesh=mesh)
+    shard_blocks_then_root(model, shard, mesh=mesh)
     model.to_empty(device="cpu")
     return model
 

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from common.dist import slowest_seconds
+from common.workload import shard_blocks_then_root
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -82,9 +83,7 @@ def build(config: LlamaConfig, seed: int, *, sharded: bool) -> Llama:
     model = Llama(config)
     if sharded:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_blocks_then_root(model, fully_shard, mesh=mesh)
     return model
 
 

@@ -47,6 +47,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from common.dist import init_distributed, leave_process_group, reduce_over_ranks, slowest_seconds
+from common.workload import group_params, rank_tokens, shard_blocks_then_root
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -84,19 +85,12 @@ def build_model(config: LlamaConfig, mesh: DeviceMesh, device: torch.device) -> 
     torch.manual_seed(0)
     with device:
         model = Llama(config)
-    for block in model.layers:
-        dtensor_fsdp.fully_shard(block, mesh=mesh)
-    dtensor_fsdp.fully_shard(model, mesh=mesh)
-    return model
+    return shard_blocks_then_root(model, dtensor_fsdp.fully_shard, mesh=mesh)
 
 
 def tokens_for(step: int, config: LlamaConfig, args: argparse.Namespace, device: torch.device):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    generator = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(
-        config.vocab_size, (args.batch_size * world, args.seq_len + 1), generator=generator
-    )
-    return tokens.chunk(world)[rank].to(device)  # (B, T + 1)
+    tokens = rank_tokens(1000 + step, config.vocab_size, args.batch_size, args.seq_len)
+    return tokens.to(device)  # (B, T + 1)
 
 
 def rotated(items: dict, round_: int) -> list:
@@ -141,11 +135,8 @@ def param_copies(model: nn.Module) -> list[nn.Parameter]:
 def flat_buffers(model: Llama) -> list[torch.Tensor]:
     """One plain fp32 buffer per fully_shard group (each block, then the root's own
     params), of the group's local numel, with random grads."""
-    block_params = {id(p) for block in model.layers for p in block.parameters()}
-    groups = [list(block.parameters()) for block in model.layers]
-    groups.append([p for p in model.parameters() if id(p) not in block_params])
     buffers = []
-    for group in groups:
+    for group in group_params(model):
         numel = sum(p.to_local().numel() for p in group)
         buffer = torch.zeros(numel, device=group[0].device)
         buffer.grad = torch.randn_like(buffer)

@@ -103,6 +103,7 @@ from common.comms import ring_wire_bytes, summarize
 from common.device import sync, warm_up_cublas
 from common.dist import init_distributed, leave_process_group, reduce_over_ranks
 from common.tensor_memory import ReceiveBuffers, restart_step, total_bytes
+from common.workload import group_params, rank_tokens
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -226,12 +227,8 @@ def batch_for_step(
 ) -> torch.Tensor:
     """This rank's (batch_size, seq_len + 1) tokens of global step ``step``: the same for
     every implementation, different on every rank."""
-    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    tokens = torch.randint(
-        config.vocab_size, (args.batch_size * world, args.seq_len + 1), generator=generator
-    )
-    return tokens.chunk(world)[rank].to(device)
+    seed = args.seed * 1_000_003 + step
+    return rank_tokens(seed, config.vocab_size, args.batch_size, args.seq_len).to(device)
 
 
 def train_step(
@@ -433,9 +430,8 @@ def fsdp_group_bytes(config: LlamaConfig) -> tuple[list[int], int]:
     """(param bytes of each block, param bytes of the root's own params), from a meta model."""
     with torch.device("meta"):
         model = Llama(config)
-    blocks = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.layers]
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return blocks, total - sum(blocks)
+    *blocks, root = [sum(p.numel() * p.element_size() for p in g) for g in group_params(model)]
+    return blocks, root
 
 
 def analytic_fsdp(config: LlamaConfig, world: int) -> dict[str, float]:

@@ -52,6 +52,7 @@ import time
 import torch
 import torch.distributed as dist
 from common.tensor_memory import restart_step, total_bytes
+from common.workload import group_params, shard_blocks_then_root
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -110,9 +111,7 @@ def shard_model(model_name: str, world: int, rank: int, impl: str) -> tuple[Llam
     with torch.device("meta"):
         model = Llama(PRESETS[model_name]())
     global_shapes = {name: p.shape for name, p in model.named_parameters()}
-    groups = [list(block.parameters()) for block in model.layers]
-    block_ids = {id(p) for group in groups for p in group}
-    groups.append([p for p in model.parameters() if id(p) not in block_ids])  # the root
+    groups = group_params(model)  # each block's, then the root's
     info = {
         "block_params": sum(p.numel() for p in groups[0]),
         "root_params": sum(p.numel() for p in groups[-1]),
@@ -124,10 +123,7 @@ def shard_model(model_name: str, world: int, rank: int, impl: str) -> tuple[Llam
         "root_buffer_bytes": padded_unsharded_bytes(groups[-1], world),
         "global_shapes": global_shapes,
     }
-    fully_shard = fully_shard_fn(impl)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_blocks_then_root(model, fully_shard_fn(impl), mesh=mesh)
     return model, info
 
 
@@ -197,9 +193,7 @@ def step_peak(model_name: str, world: int, impl: str, seq_len: int) -> tuple[int
         with FakeTensorMode(allow_non_fake_inputs=True):
             with torch.device("meta"):
                 model = Llama(PRESETS[model_name]())
-            for block in model.layers:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            shard_blocks_then_root(model, fully_shard, mesh=mesh)
             with MemTracker() as tracker:
                 model.to_empty(device="cpu")
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -7,6 +7,7 @@
 - ``tensor_memory.py``: MemTracker's peak of a step (live tensor bytes);
 - ``rss.py``: the host's peak resident set around a call;
 - ``comms.py``: recorded collectives summed per kind, ring wire bytes;
+- ``workload.py``: the Llama's FSDP groups (blocks, then the root), each rank's tokens;
 - ``stats.py``: percentiles of step times;
 - ``spawn.py``: W gloo ranks from a plain ``python`` script.
 
