@@ -43,8 +43,7 @@ buffer, i.e. the all-gather output and the reduce-scatter input (dtensor_fsdp
 reduce-scatters by all-to-all on gloo; the recorder sees ``alltoall_base_``). For a
 quantized config the buffer is uint8 and holds the codes *and* the float32 scales.
 Any other collective is reported as "other": gradient clipping's all-reduce of the
-grad norm (a few bytes; the recorder lets DTensor desugar it, as torch's
-``CommDebugMode`` does). The measured bytes are checked against the analytic count below
+grad norm (4 bytes: ``train.py`` clips on the local shards, one all-reduce). The measured bytes are checked against the analytic count below
 ("analytic: match").
 
 *Loss*: per step, the mean over ranks of the local losses (every config sees the same
