@@ -122,7 +122,7 @@ class Measured:
 
 
 def measure_cases(cases: list[Case]) -> list[Measured]:
-    """On each gloo rank (see ``_bench_spawn.run_ranks``): every case in turn."""
+    """On each gloo rank (see ``common.spawn.run_ranks``): every case in turn."""
     return [measure(case) for case in cases]
 
 

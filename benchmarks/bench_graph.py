@@ -336,7 +336,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--skip", default="", help="comma-separated parts to skip: table,host,bitwise,8b,busy"
     )
-    parser.add_argument("--json", help="also write the figures to this file (gpu_check.py)")
+    parser.add_argument("--json", help="also write the figures to this file (the GPU check)")
     args = parser.parse_args()
     args.steps = args.steps or (10 if args.quick else 20)
     args.skip = set(filter(None, args.skip.split(",")))

@@ -50,7 +50,8 @@ Method, in four phases (the third optional):
    frees made on gloo's threads are not reported, so their running sum drifts upward.
 
    *Collectives* of the FSDP variants are recorded at the c10d op level by a
-   ``TorchDispatchMode`` (``C10dRecorder``; the same ops ``CommDebugMode`` counts) with
+   ``TorchDispatchMode`` (``tests/_c10d.py``'s ``C10dRecorder``, the tests' ruler; the
+   same ops ``CommDebugMode`` counts) with
    the unsharded buffer size of each: all-gather output, reduce-scatter or all-to-all
    input. Ours is also read from its ``CommTrace`` and the two are checked to agree.
    DDP's all-reduces are issued by its C++ reducer, outside the dispatcher, so they are

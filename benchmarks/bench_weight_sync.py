@@ -17,7 +17,7 @@ Parts, each printed as it finishes:
   (``load_weights``, allocated before the measurement), against torch's
   ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` of torch's
   ``fully_shard`` of it: the peak resident set above the start, the largest over the
-  ranks, measured as ``bench_full_export.py`` measures (``_bench_memory.py``). X is
+  ranks, measured as ``bench_full_export.py`` measures (``common/rss.py``). X is
   ours over the bucket size; the target is 2 buckets and the largest parameter.
 - ``speed``: a Llama of ``--speed-*`` shapes (1.1B parameters by default, its shards
   filled with a constant: values do not change the time) streamed in bf16, against
