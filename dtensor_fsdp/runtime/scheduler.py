@@ -27,7 +27,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from .observer import CommObserver
 from .profiler_labels import ProfilerLabels
 from .step_guard import StepGuard
 from .streams import CommStreams, StreamRole
@@ -98,11 +97,6 @@ class CommContext:
         # A backward's grads must land before it returns even when no pre-backward
         # queued the callback above: see [Note: partly run list groups] (state.py).
         self.is_landing_callback_queued = False
-        # The observer FSDPModule.set_divergence_check / set_nonfinite_grad_check
-        # attach to every group of the tree (ranks agree before each collective:
-        # observe/consistency.py); one for the tree, since its sequence numbers count
-        # per process group across groups. None when both checks are off.
-        self.check: CommObserver | None = None
         # One entry per issued reduce-scatter: (finish: wait and land its sharded grads,
         # abandon: wait only, after an exception).
         self._pending_reduce_scatters: deque[tuple[Callable[[], None], Callable[[], None]]] = (
