@@ -33,6 +33,7 @@ from .all_gather_layout import (
 )
 from .collectives import all_gather
 from .comm_strategies import DefaultAllGather, is_custom
+from .group_guards import GroupGuards
 from .mesh import MeshInfo
 from .observer import (
     Collective,
@@ -142,12 +143,8 @@ class FSDPParamGroup:
         # hpZ between forward and backward; None when fully sharded or unsharded.
         self._post_forward: PostForwardShard | None = None
         self._forwarded_modules: set[int] = set()  # ids of modules whose forward ran
-        # Each param's `sharded_version` when the unsharded params (or hpZ's post-forward
-        # buffer) were last all-gathered from the sharded ones; see `_reshard_if_stale`.
-        self._gathered_versions: list[tuple[int, int]] | None = None
-        # `_gathered_versions` as the forward's autograd graph saw them, from the end of
-        # the forward to the pre-backward: see `_check_unchanged_since_forward`.
-        self._forward_versions: list[tuple[int, int]] | None = None
+        # The version and step guards (group_guards.py), called at the verbs below.
+        self.guards = GroupGuards(self.fsdp_params)
         # Every FSDPParam of the root's tree, set at lazy init: a replacement is checked
         # against them all, so a tie made after fully_shard is refused across groups.
         self.tree_params: list[FSDPParam] | None = None
@@ -229,6 +226,7 @@ class FSDPParamGroup:
         self.reset_sharded_params()
         check_materialized(self.fsdp_params, offload=self.offload is not None)
         self.ctx = ctx
+        self.guards.step_guard = ctx.step_guard
 
     def reset_sharded_params(self) -> bool:
         """Re-derive the sharded buffer and every parameter's dtypes from the sharded
@@ -319,11 +317,8 @@ class FSDPParamGroup:
             if role is not None:
                 streams.wait_for_event(role, post_forward.written)
             self._post_forward = PostForwardShard(post_forward.buffer, written=None)
-        # For `_reshard_if_stale`. Every group: besides the root and
-        # reshard_after_forward/backward=False, an explicit unshard() and hpZ's
-        # post-forward buffer also keep a group's all-gathered values into a forward.
         if post_forward is None:
-            self._gathered_versions = [p.sharded_version() for p in self.fsdp_params]
+            self.guards.gathered()
         if self.labels is not None:
             self.labels.enter("all_gather")
         with streams.on(role):
@@ -395,23 +390,11 @@ class FSDPParamGroup:
     def _reshard_if_stale(self) -> None:
         """Reshard a group kept unsharded since an earlier forward or backward (the root
         after a ``no_grad`` forward, ``set_reshard_after_backward(False)``) whose sharded
-        params changed since their all-gather, so that this forward all-gathers the new
-        values (torch's FSDP2 computes with the old ones): an in-place write that bumped
-        a version counter (a per-tensor ``torch.optim`` step, ``step_on_local_shards``,
-        ``copy_``), ``param.data = ...``, or a param replaced in the module.
-
-        Not seen, as in torch: a foreach or fused ``torch.optim`` step (the default for
-        DTensors on an accelerator) writes the local shards below autograd, where no
-        version counter counts; after such a step between a ``no_grad`` forward and the
-        next forward, call ``model.reshard()`` (README, differences). Resharding at
-        every training forward after an evaluation instead would cost one all-gather
-        of the root per evaluation loop, which torch does not issue.
-        """
+        params changed since their all-gather (`GroupGuards.is_stale`), so that this
+        forward all-gathers the new values (torch's FSDP2 computes with the old ones)."""
         if self.sharded_state == ShardedState.SHARDED and self._post_forward is None:
             return
-        if any(p.is_foreign() or not p.is_current() for p in self.fsdp_params) or (
-            self._gathered_versions != [p.sharded_version() for p in self.fsdp_params]
-        ):
+        if self.guards.is_stale():
             self.reshard()
 
     def post_forward(self, module: nn.Module) -> None:
@@ -445,12 +428,8 @@ class FSDPParamGroup:
         if self.labels is not None:
             self.labels.enter("post_forward")
         self._forwarded_modules.clear()
-        self._forward_versions = self._gathered_versions
         in_backward = is_in_backward()
-        # A backward may follow (not after a no_grad forward, nor a forward recomputed
-        # inside a backward): see [Note: optimizer step between forward and backward].
-        if self.ctx is not None and not in_backward and torch.is_grad_enabled():
-            self.ctx.step_guard.forward_done(self, self.fsdp_params)
+        self.guards.forward_done(in_backward)
         # A forward recomputed inside backward (reentrant checkpointing reruns it before
         # this group's pre-backward) keeps the params: its backward comes next, as torch.
         if self.reshard_after_forward and not in_backward:
@@ -500,36 +479,9 @@ class FSDPParamGroup:
         if self.observers:
             self._record("pre_backward")
         self.unshard()
-        self._check_unchanged_since_forward()
+        self.guards.check_unchanged_since_forward(self.fqn)
         if self.labels is not None:
             self.labels.exit("pre_backward")
-
-    def _check_unchanged_since_forward(self) -> None:
-        """Refuse a backward whose forward computed with other values of the sharded
-        params (``optimizer.step()`` between forward and backward): see [Note:
-        optimizer step between forward and backward] (step_guard.py).
-
-        Free in the usual case: the versions were read at the forward's all-gather and
-        at this backward's (or its prefetch); only a group not gathered again (kept
-        unsharded, hpZ, ``set_unshard_in_backward(False)``) reads them now. A foreach
-        or fused ``torch.optim`` step bumps no version counter: the step guard saw it.
-        """
-        forward, self._forward_versions = self._forward_versions, None
-        seen = self.ctx.step_guard.take(self) if self.ctx is not None else None
-        if seen is not None:
-            raise RuntimeError(
-                _modified_message(self.fqn, seen.names, f"{seen.optimizer}.step() ran")
-            )
-        if forward is None:
-            return
-        now = self._gathered_versions
-        if now is forward:
-            now = [p.sharded_version() for p in self.fsdp_params]
-        if now == forward:
-            return
-        changed = [p.fqn for p, a, b in zip(self.fsdp_params, forward, now, strict=True) if a != b]
-        cause = "an optimizer.step() or another in-place update before loss.backward()?"
-        raise RuntimeError(_modified_message(self.fqn, changed, cause))
 
     def post_backward(self) -> None:
         """Reduce-scatter the unsharded grads (unless accumulating) and reshard.
@@ -717,12 +669,3 @@ class FSDPParamGroup:
         self._record("unshard")
         return watch_collective(self.observers, collective)
 
-
-def _modified_message(fqn: str, names: list[str], cause: str) -> str:
-    """Plain PyTorch's error for a backward after an in-place change of ``names``."""
-    return (
-        "one of the variables needed for gradient computation has been modified by an "
-        f"inplace operation: the sharded parameters {names} of '{fqn or 'root'}' changed "
-        f"between its forward and this backward ({cause}). Their gradients would mix the "
-        "values before and after the change: call backward before updating the parameters"
-    )
