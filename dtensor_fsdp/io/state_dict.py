@@ -45,8 +45,8 @@ from ..runtime.reduction.error_feedback import (
     residual_layout,
     residual_state,
 )
+from ..runtime.shard_geometry import wrap_local
 from ..runtime.state import FSDPState
-from ..runtime.tensor_utils import wrap_local
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ run on the local tensors instead:
    DTensor params too.
 
 The aliases, the twin state and the alias lists are built once and reused while
-nothing changed (the ``_Plan``): each step checks, by identity, that the groups hold
+nothing changed (the ``_Swap``): each step checks, by identity, that the groups hold
 the same params, each param the same local tensor (``module.to()`` or a re-sharding
 replaces it), ``optimizer.state`` the same dict (``load_state_dict`` replaces it) with
-the same per-param dicts and values; any difference rebuilds the plan. So a step costs
+the same per-param dicts and values; any difference rebuilds the swap. So a step costs
 a few attribute reads per param on top of the update itself.
 
 Outside ``step()`` nothing differs, so ``optimizer.state_dict()``,
@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..runtime.tensor_utils import wrap_local
+from ..runtime.shard_geometry import wrap_local
 
 # torch.optim classes whose update of each element reads only that element of the
 # param, its grad and its state (plus hyper-parameters and scalar state). Exact types:
@@ -104,7 +104,7 @@ class _LocalParam:
     source: torch.Tensor  # param._local_tensor when the alias was made
     alias: torch.Tensor  # source.detach(): same storage, a plain leaf
     dstate: dict[str, Any] | None = None  # optimizer.state[param] at the last sync
-    lstate: dict[str, Any] | None = None  # its twin, keyed by alias in the plan's state
+    lstate: dict[str, Any] | None = None  # its twin, keyed by alias in the swap's state
     # At the last sync: the state's names, and their values in dstate and in lstate.
     names: tuple[str, ...] = ()
     dvalues: tuple[Any, ...] = ()
@@ -118,19 +118,19 @@ class _LocalParam:
 
 
 @dataclass
-class _GroupPlan:
+class _GroupSwap:
     params: list[torch.Tensor]  # the group's params list, as the user left it
-    members: tuple[torch.Tensor, ...]  # its elements when planned
+    members: tuple[torch.Tensor, ...]  # its elements when the swap was built
     aliases: list[torch.Tensor]  # what the optimizer sees during the step
 
 
 @dataclass
-class _Plan:
+class _Swap:
     """Everything the swap needs, reused from step to step (see [Note: local-shard step])."""
 
     state: State  # optimizer.state (keyed by the DTensor params)
     local_state: State  # its twin, keyed by the aliases
-    groups: list[_GroupPlan]
+    groups: list[_GroupSwap]
     entries: list[_LocalParam]  # each DTensor param once
     plain: list[torch.Tensor]  # each plain param once: its state dict is shared
     synced_len: int = 0  # len(local_state) at the last sync
@@ -142,7 +142,7 @@ class LocalShardStep:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self._removed = False
-        self._plan: _Plan | None = None
+        self._swap: _Swap | None = None
         self._is_swapped = False
         # The step it wraps: an instance attribute already there (an LR scheduler's
         # wrapper), else None for the class's step.
@@ -151,7 +151,7 @@ class LocalShardStep:
     def remove(self) -> None:
         """Step on the DTensors again, as ``torch.optim`` does without this handle."""
         self._removed = True
-        self._plan = None
+        self._swap = None
         installed = self.optimizer.__dict__.get("step")
         func = getattr(installed, "__func__", None)
         if func is not None and getattr(func, _HANDLE_ATTR, None) is self:
@@ -206,17 +206,17 @@ class LocalShardStep:
     def _to_local(self) -> None:
         """Step 1 of [Note: local-shard step]. Everything is validated before anything
         changes, so a refused param or grad leaves the optimizer as it was."""
-        plan = self._plan
-        if plan is None or not self._is_current(plan):
-            # Dropped first: a build that raises must not leave a half-updated plan.
-            self._plan = None
-            plan = self._plan = self._build_plan(plan)
-        grads = [self._local_grad(entry) for entry in plan.entries]
-        for entry, grad in zip(plan.entries, grads, strict=True):
+        swap = self._swap
+        if swap is None or not self._is_current(swap):
+            # Dropped first: a build that raises must not leave a half-updated swap.
+            self._swap = None
+            swap = self._swap = self._build_swap(swap)
+        grads = [self._local_grad(entry) for entry in swap.entries]
+        for entry, grad in zip(swap.entries, grads, strict=True):
             entry.alias.grad = grad
-        for group, group_plan in zip(self.optimizer.param_groups, plan.groups, strict=True):
-            group["params"] = group_plan.aliases
-        self.optimizer.state = plan.local_state
+        for group, group_swap in zip(self.optimizer.param_groups, swap.groups, strict=True):
+            group["params"] = group_swap.aliases
+        self.optimizer.state = swap.local_state
         self._is_swapped = True
 
     def _to_dtensor(self) -> None:
@@ -224,47 +224,47 @@ class LocalShardStep:
         if not self._is_swapped:
             return
         self._is_swapped = False
-        plan = self._plan
+        swap = self._swap
         optimizer = self.optimizer
-        optimizer.state = plan.state
-        for group, group_plan in zip(optimizer.param_groups, plan.groups, strict=False):
-            group["params"] = group_plan.params
-        local_state = plan.local_state
-        for entry in plan.entries:
+        optimizer.state = swap.state
+        for group, group_swap in zip(optimizer.param_groups, swap.groups, strict=False):
+            group["params"] = group_swap.params
+        local_state = swap.local_state
+        for entry in swap.entries:
             entry.alias.grad = None
             lstate = local_state.get(entry.alias)
             if lstate is not None and not _unchanged(
                 lstate, entry.lstate, entry.names, entry.lvalues
             ):
                 _sync_state(entry, lstate)
-        if len(local_state) != plan.synced_len:
-            _append_new_state(plan)
+        if len(local_state) != swap.synced_len:
+            _append_new_state(swap)
 
-    def _is_current(self, plan: _Plan) -> bool:
-        """Whether nothing the plan was built from changed (by identity)."""
+    def _is_current(self, swap: _Swap) -> bool:
+        """Whether nothing the swap was built from changed (by identity)."""
         optimizer = self.optimizer
         state = optimizer.state
-        if state is not plan.state or len(optimizer.param_groups) != len(plan.groups):
+        if state is not swap.state or len(optimizer.param_groups) != len(swap.groups):
             return False
-        for group, group_plan in zip(optimizer.param_groups, plan.groups, strict=True):
+        for group, group_swap in zip(optimizer.param_groups, swap.groups, strict=True):
             params = group["params"]
             if (
-                params is not group_plan.params
-                or len(params) != len(group_plan.members)
-                or any(a is not b for a, b in zip(params, group_plan.members, strict=True))
+                params is not group_swap.params
+                or len(params) != len(group_swap.members)
+                or any(a is not b for a, b in zip(params, group_swap.members, strict=True))
                 or group.get("differentiable", False)
             ):
                 return False
-        for entry in plan.entries:
+        for entry in swap.entries:
             dstate = state.get(entry.param)
             if entry.param._local_tensor is not entry.source or not (
                 dstate is entry.dstate
                 and (dstate is None or _unchanged(dstate, dstate, entry.names, entry.dvalues))
             ):
                 return False
-        return all(state.get(p) is plan.local_state.get(p) for p in plan.plain)
+        return all(state.get(p) is swap.local_state.get(p) for p in swap.plain)
 
-    def _build_plan(self, stale: _Plan | None) -> _Plan:
+    def _build_swap(self, stale: _Swap | None) -> _Swap:
         """Aliases and the twin state from scratch (reusing ``stale``'s aliases whose
         local tensors stayed); raises before changing the optimizer."""
         optimizer = self.optimizer
@@ -299,7 +299,7 @@ class LocalShardStep:
                     entry = _LocalParam(param, local, alias)
                     entries[id(param)] = entry
                 aliases.append(entry.alias)
-            groups.append(_GroupPlan(group["params"], tuple(group["params"]), aliases))
+            groups.append(_GroupSwap(group["params"], tuple(group["params"]), aliases))
         local_state: State = defaultdict(dict)
         for key, dstate in optimizer.state.items():
             entry = entries.get(id(key))
@@ -309,7 +309,7 @@ class LocalShardStep:
                 local_state[entry.alias] = lstate
             elif plain.get(id(key)) is key:
                 local_state[key] = dstate
-        return _Plan(
+        return _Swap(
             optimizer.state,
             local_state,
             groups,
@@ -460,14 +460,14 @@ def _local_value(param: DTensor, name: str, value: Any) -> Any:
 
 def _unchanged(
     current: dict[str, Any],
-    planned: dict[str, Any] | None,
+    recorded: dict[str, Any] | None,
     names: tuple[str, ...],
     values: tuple[Any, ...],
 ) -> bool:
-    """Whether ``current`` is the ``planned`` dict, holding ``values`` under ``names``,
-    by identity (a changed order counts as a change: the plan is rebuilt)."""
+    """Whether ``current`` is the ``recorded`` dict, holding ``values`` under ``names``,
+    by identity (a changed order counts as a change: the swap is rebuilt)."""
     return (
-        current is planned
+        current is recorded
         and len(current) == len(names)
         and tuple(current) == names
         and all(map(operator.is_, current.values(), values))
@@ -511,16 +511,16 @@ def _is_new_param_like(value: Any, pair: tuple[Any, Any] | None, alias: torch.Te
     )
 
 
-def _append_new_state(plan: _Plan) -> None:
+def _append_new_state(swap: _Swap) -> None:
     """State entries the step created, appended to ``optimizer.state`` in creation
     order, as the DTensor step appends them."""
-    by_alias = {id(entry.alias): entry for entry in plan.entries}
-    for key, lstate in list(plan.local_state.items())[plan.synced_len :]:
+    by_alias = {id(entry.alias): entry for entry in swap.entries}
+    for key, lstate in list(swap.local_state.items())[swap.synced_len :]:
         entry = by_alias.get(id(key))
         if entry is None:
-            plan.state[key] = lstate  # a plain param: the dict is shared
+            swap.state[key] = lstate  # a plain param: the dict is shared
             continue
         if entry.lstate is not lstate:
             _sync_state(entry, lstate)
-        plan.state[entry.param] = entry.dstate
-    plan.synced_len = len(plan.local_state)
+        swap.state[entry.param] = entry.dstate
+    swap.synced_len = len(swap.local_state)

@@ -46,13 +46,8 @@ from ..api import MixedPrecisionPolicy
 from .comm_math import arrange_for_reduce_scatter, concat_along_shard_dim, unsharded_of
 from .extension import AllGatherExtension, has_all_gather_extension
 from .mesh import MeshInfo, SpmdLayout
-from .tensor_utils import (
-    ShardGeometry,
-    alloc_storage,
-    contiguous_stride,
-    free_storage,
-    wrap_local,
-)
+from .shard_geometry import ShardGeometry, contiguous_stride, wrap_local
+from .storage import alloc_storage, free_storage
 
 
 class ShardedState(Enum):

@@ -32,6 +32,7 @@ from .all_gather_layout import (
     shard_params,
 )
 from .collectives import all_gather
+from .comm_context import CommContext
 from .comm_strategies import DefaultAllGather, is_custom
 from .group_guards import GroupGuards
 from .mesh import MeshInfo
@@ -56,7 +57,6 @@ from .param_reset import (
 )
 from .profiler_labels import ProfilerLabels
 from .reduction.gradient_reduction import GradientReduction
-from .scheduler import CommContext
 from .streams import CommStreams, StreamRole
 
 
@@ -350,7 +350,7 @@ class FSDPParamGroup:
         in_flight = self._wait_all_gather()
         if self.training_state == TrainingState.FORWARD and self.ctx is not None:
             # The previous forward copy-out's output; see [Note: forward all-gather
-            # overlap] (scheduler.py).
+            # overlap] (comm_context.py).
             self.ctx.release_kept_all_gather()
         self._post_forward = None  # its contents are in the all-gather output now
         source = in_flight.source
@@ -598,7 +598,7 @@ class FSDPParamGroup:
         """The copy-out of ``in_flight`` is queued: the all-gather stream waits for it
         before the output is freed, at the next copy-out for a forward implicit
         unshard over more than one rank, else now. See [Note: forward all-gather
-        overlap] (scheduler.py); the host has no stream to overlap and frees it at
+        overlap] (comm_context.py); the host has no stream to overlap and frees it at
         once. The caller drops its references right after."""
         streams = self._streams()
         copy_out_event = streams.record_compute()

@@ -30,11 +30,11 @@ from torch.utils.hooks import RemovableHandle
 
 from ..api import MixedPrecisionPolicy
 from .activations import grad_tensors, map_tensors, replace_grad_tensors
+from .comm_context import CommContext
 from .observer import CommObserver
 from .param import FSDPParam
 from .param_group import FSDPParamGroup, TrainingState, is_in_backward
 from .profiler_labels import ProfilerLabels
-from .scheduler import CommContext
 from .streams import CommStreams, streams_for
 
 _P = ParamSpec("_P")

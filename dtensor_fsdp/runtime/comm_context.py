@@ -33,7 +33,7 @@ from .streams import CommStreams, StreamRole
 
 
 class Prefetchable(Protocol):
-    """What the scheduler needs of a group: its name, the modules of its
+    """What the CommContext needs of a group: its name, the modules of its
     ``fully_shard`` call (shared by the call's groups) and an async unshard."""
 
     fqn: str
