@@ -79,7 +79,7 @@ class FSDPModule:
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``to()``, ``to_empty()``, ``half()``, ``cuda()``...: apply to the sharded params,
         then re-derive the group's sharded state from what they became (see [Note:
-        re-deriving the sharded state] in param_group.py)."""
+        re-deriving the sharded state] in group_layout.py)."""
         self.reshard()
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
         for group in self._own_groups():

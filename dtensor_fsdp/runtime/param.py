@@ -7,7 +7,7 @@ These nouns mean one thing each, everywhere in dtensor_fsdp:
 - sharded param: the ``nn.Parameter(DTensor)`` with ``Shard(0)`` that replaces it on the
   module between iterations; what the optimizer steps and what ``state_dict`` returns.
   Its local tensor is this rank's ``torch.chunk`` of the original, and is a *view into
-  the group's sharded buffer* (see param_group.py), so the all-gather can read every
+  the group's sharded buffer* (see all_gather_layout.py), so the all-gather can read every
   shard of the group directly, with no copy-in.
 - padded shard: the local rows padded to ``ceil(dim0 / W)`` rows; the padding lives in
   the sharded buffer and stays zero.
