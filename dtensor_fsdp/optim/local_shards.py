@@ -23,10 +23,10 @@ run on the local tensors instead:
    DTensor params too.
 
 The aliases, the twin state and the alias lists are built once and reused while
-nothing changed (the ``Swap``, local_state.py): each step checks, by identity, that the groups hold
-the same params, each param the same local tensor (``module.to()`` or a re-sharding
-replaces it), ``optimizer.state`` the same dict (``load_state_dict`` replaces it) with
-the same per-param dicts and values; any difference rebuilds the swap. So a step costs
+nothing changed (the ``Swap``, local_state.py): each step checks, by identity, that
+the groups hold the same params, each param the same local tensor (``module.to()`` or
+a re-sharding replaces it), ``optimizer.state`` the same dict (``load_state_dict``
+replaces it) with the same per-param dicts and values; any difference rebuilds the swap. So a step costs
 a few attribute reads per param on top of the update itself.
 
 Outside ``step()`` nothing differs, so ``optimizer.state_dict()``,
