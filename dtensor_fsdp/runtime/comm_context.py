@@ -154,12 +154,7 @@ class CommContext:
 
     def prefetch_forward(self, targets: list[Prefetchable]) -> None:
         """Explicit forward prefetch: issue the targets' all-gathers without waiting."""
-        for target in targets:
-            if target.labels is not None:
-                target.labels.enter_prefetch("forward")
-            target.unshard(async_op=True)
-            if target.labels is not None:
-                target.labels.exit("forward_prefetch")
+        _prefetch(targets, "forward")
 
     # Backward #
 
@@ -174,12 +169,7 @@ class CommContext:
         `_implicit_backward_targets`).
         """
         targets = explicit if explicit is not None else self._implicit_backward_targets(groups)
-        for target in targets:
-            if target.labels is not None:
-                target.labels.enter_prefetch("backward")
-            target.unshard(async_op=True)
-            if target.labels is not None:
-                target.labels.exit("backward_prefetch")
+        _prefetch(targets, "backward")
 
     def _implicit_backward_targets(self, groups: list[Prefetchable]) -> list[Prefetchable]:
         """One group: the group recorded just before the forward whose backward this
@@ -267,3 +257,14 @@ class CommContext:
         self.is_landing_callback_queued = False
         self.release_kept_all_gather()
         self.step_guard.clear()
+
+
+def _prefetch(targets: list[Prefetchable], direction: str) -> None:
+    """Issue the targets' all-gathers without waiting, each under its ``direction``
+    prefetch label while a profiler runs."""
+    for target in targets:
+        if target.labels is not None:
+            target.labels.enter_prefetch(direction)
+        target.unshard(async_op=True)
+        if target.labels is not None:
+            target.labels.exit(f"{direction}_prefetch")
