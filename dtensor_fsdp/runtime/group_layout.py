@@ -164,9 +164,8 @@ class GroupLayout:
         sizes = [p.sharded_buffer_nbytes for p in self.fsdp_params]
         for fsdp_param, segment in zip(self.fsdp_params, buffer.split(sizes), strict=True):
             move_sharded_param(fsdp_param, segment)
-        self.all_gather_layout = AllGatherLayout.build(
-            self.fsdp_params, self.all_gather_layout.comm_precision, buffer
-        )
+        layout = self.all_gather_layout
+        self._rebuild_layout(layout.comm_precision, layout.strategy, buffer)
 
     def check_replacements(self, owners: dict[int, FSDPParam]) -> None:
         """`check_replacement` (param_reset.py) for every replaced param of the group;
