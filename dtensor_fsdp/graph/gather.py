@@ -351,10 +351,10 @@ def _reduce_scatter(
     divide_(reduce_input, reduction.pre_divisor)
     if world_size == 1:
         return reduce_input.view(-1)
-    plan_ = reduction.plan
-    if plan_.use_all_to_all:
+    ops = reduction.ops
+    if ops.use_all_to_all:
         return sum_all_to_all(collectives.all_to_all(reduce_input, comm.reduce_group_name))
-    op = "avg" if plan_.average_in_reduce_scatter else "sum"
+    op = "avg" if ops.average_in_reduce_scatter else "sum"
     return collectives.reduce_scatter(
         reduce_input.view(-1), plan.reduce_scatter_op, op, world_size, comm.reduce_group_name
     )
@@ -368,7 +368,7 @@ def _all_reduce(plan: GatherPlan, reduction: ReductionDescription, reduced: torc
     parts = reduced.split([p.geometry.padded_shard_numel for p in reduction.params])
     exact, exact_numels, quantized = split_replica_parts(parts, reduction.replicate_quantized)
     if exact is not None:
-        exact = collectives.all_reduce(exact, "avg" if reduction.plan.average_in_all_reduce else "sum", group)
+        exact = collectives.all_reduce(exact, "avg" if reduction.ops.average_in_all_reduce else "sum", group)
     sums: list[torch.Tensor] = []
     if quantized:
         policy = reduction.policy

@@ -11,7 +11,7 @@ functional collectives run eagerly, and lands the sharded gradients as eager lan
 import torch
 
 from .gather import reduce, sharded_grads_of
-from .group_plan import GroupGraph
+from .group_graph import GroupGraph
 
 
 def reduce_pending(graphs: list[GroupGraph]) -> None:

@@ -27,10 +27,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..runtime.param import FSDPParam
+from ..runtime.shard_geometry import contiguous_stride
 from ..runtime.state import FSDPState, cast_floating, inputs_to_device, state_of, states_under
-from ..runtime.tensor_utils import contiguous_stride
 from .gather import GatherPlan, StepInputs, gather
-from .group_plan import GroupGraph, group_graph
+from .group_graph import GroupGraph, group_graph
 from .observed import GROUP_ANNOTATION
 
 _GRAPH = "_dtensor_fsdp_graph"  # an FSDP module's __dict__ key: its `ModuleGraph`

@@ -45,8 +45,8 @@ from ..runtime.reduction.error_feedback import (
     residual_layout,
     residual_state,
 )
+from ..runtime.shard_geometry import wrap_local
 from ..runtime.state import FSDPState
-from ..runtime.tensor_utils import wrap_local
 
 
 @dataclass(frozen=True)
@@ -282,7 +282,7 @@ def _take_assigned(held: _HeldParam, module: nn.Module) -> bool:
     CPU offload, as torch's pinned offload moves it: a DTensor on the device mesh holds
     its shard on the device), by ``swap_tensors``, as ``nn.Module._apply`` swaps a
     DTensor param for ``to_empty``; the group re-derives its sharded buffer from it,
-    as after ``to_empty`` ([Note: re-deriving the sharded state] in param_group.py).
+    as after ``to_empty`` ([Note: re-deriving the sharded state] in group_layout.py).
     """
     fsdp_param = held.fsdp_param
     assigned = module._parameters.get(held.name)

@@ -1,7 +1,7 @@
 """CommTrace: a user-visible record of what FSDP communicated, and when.
 
 A trace is installed on a root module with ``FSDPModule.set_comm_trace(trace)``. The
-scheduler then appends one ``CommEvent`` per collective (kind, module FQN, group size,
+runtime then appends one ``CommEvent`` per collective (kind, module FQN, group size,
 bytes, issue and completion times) and one ``LifecycleEvent`` per lifecycle step
 (``unshard``, ``reshard``, ``post_backward``...). Tests read the schedule from here
 instead of patching internals; users export it to Perfetto or summarize it.

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..runtime.tensor_utils import wrap_local
+from ..runtime.shard_geometry import wrap_local
 
 try:
     from torch.utils._foreach_utils import _device_has_foreach_support

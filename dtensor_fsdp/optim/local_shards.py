@@ -23,10 +23,10 @@ run on the local tensors instead:
    DTensor params too.
 
 The aliases, the twin state and the alias lists are built once and reused while
-nothing changed (the ``_Plan``): each step checks, by identity, that the groups hold
-the same params, each param the same local tensor (``module.to()`` or a re-sharding
-replaces it), ``optimizer.state`` the same dict (``load_state_dict`` replaces it) with
-the same per-param dicts and values; any difference rebuilds the plan. So a step costs
+nothing changed (the ``Swap``, local_state.py): each step checks, by identity, that
+the groups hold the same params, each param the same local tensor (``module.to()`` or
+a re-sharding replaces it), ``optimizer.state`` the same dict (``load_state_dict``
+replaces it) with the same per-param dicts and values; any difference rebuilds the swap. So a step costs
 a few attribute reads per param on top of the update itself.
 
 Outside ``step()`` nothing differs, so ``optimizer.state_dict()``,
@@ -53,16 +53,26 @@ break, and param groups with other hyper-parameters (no weight decay for norms) 
 """
 
 import functools
-import operator
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..runtime.tensor_utils import wrap_local
+from .local_state import (
+    GroupSwap,
+    LocalParam,
+    State,
+    Swap,
+    append_new_state,
+    check_param,
+    local_value,
+    param_name,
+    same_spec,
+    sync_state,
+    unchanged,
+)
 
 # torch.optim classes whose update of each element reads only that element of the
 # param, its grad and its state (plus hyper-parameters and scalar state). Exact types:
@@ -93,56 +103,13 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 # LR scheduler puts around it): the handle, so a second registration is refused.
 _HANDLE_ATTR = "_dtensor_fsdp_local_shard_step"
 
-State = dict[torch.Tensor, dict[str, Any]]
-
-
-@dataclass
-class _LocalParam:
-    """One DTensor param as the optimizer sees it during ``step``."""
-
-    param: DTensor
-    source: torch.Tensor  # param._local_tensor when the alias was made
-    alias: torch.Tensor  # source.detach(): same storage, a plain leaf
-    dstate: dict[str, Any] | None = None  # optimizer.state[param] at the last sync
-    lstate: dict[str, Any] | None = None  # its twin, keyed by alias in the plan's state
-    # At the last sync: the state's names, and their values in dstate and in lstate.
-    names: tuple[str, ...] = ()
-    dvalues: tuple[Any, ...] = ()
-    lvalues: tuple[Any, ...] = ()
-
-    def synced(self, dstate: dict[str, Any], lstate: dict[str, Any]) -> None:
-        self.dstate, self.lstate = dstate, lstate
-        self.names = tuple(lstate)
-        self.dvalues = tuple(dstate[name] for name in self.names)
-        self.lvalues = tuple(lstate.values())
-
-
-@dataclass
-class _GroupPlan:
-    params: list[torch.Tensor]  # the group's params list, as the user left it
-    members: tuple[torch.Tensor, ...]  # its elements when planned
-    aliases: list[torch.Tensor]  # what the optimizer sees during the step
-
-
-@dataclass
-class _Plan:
-    """Everything the swap needs, reused from step to step (see [Note: local-shard step])."""
-
-    state: State  # optimizer.state (keyed by the DTensor params)
-    local_state: State  # its twin, keyed by the aliases
-    groups: list[_GroupPlan]
-    entries: list[_LocalParam]  # each DTensor param once
-    plain: list[torch.Tensor]  # each plain param once: its state dict is shared
-    synced_len: int = 0  # len(local_state) at the last sync
-
-
 class LocalShardStep:
     """Handle returned by `step_on_local_shards`; ``remove()`` turns it off."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self._removed = False
-        self._plan: _Plan | None = None
+        self._swap: Swap | None = None
         self._is_swapped = False
         # The step it wraps: an instance attribute already there (an LR scheduler's
         # wrapper), else None for the class's step.
@@ -151,7 +118,7 @@ class LocalShardStep:
     def remove(self) -> None:
         """Step on the DTensors again, as ``torch.optim`` does without this handle."""
         self._removed = True
-        self._plan = None
+        self._swap = None
         installed = self.optimizer.__dict__.get("step")
         func = getattr(installed, "__func__", None)
         if func is not None and getattr(func, _HANDLE_ATTR, None) is self:
@@ -206,17 +173,17 @@ class LocalShardStep:
     def _to_local(self) -> None:
         """Step 1 of [Note: local-shard step]. Everything is validated before anything
         changes, so a refused param or grad leaves the optimizer as it was."""
-        plan = self._plan
-        if plan is None or not self._is_current(plan):
-            # Dropped first: a build that raises must not leave a half-updated plan.
-            self._plan = None
-            plan = self._plan = self._build_plan(plan)
-        grads = [self._local_grad(entry) for entry in plan.entries]
-        for entry, grad in zip(plan.entries, grads, strict=True):
+        swap = self._swap
+        if swap is None or not self._is_current(swap):
+            # Dropped first: a build that raises must not leave a half-updated swap.
+            self._swap = None
+            swap = self._swap = self._build_swap(swap)
+        grads = [self._local_grad(entry) for entry in swap.entries]
+        for entry, grad in zip(swap.entries, grads, strict=True):
             entry.alias.grad = grad
-        for group, group_plan in zip(self.optimizer.param_groups, plan.groups, strict=True):
-            group["params"] = group_plan.aliases
-        self.optimizer.state = plan.local_state
+        for group, group_swap in zip(self.optimizer.param_groups, swap.groups, strict=True):
+            group["params"] = group_swap.aliases
+        self.optimizer.state = swap.local_state
         self._is_swapped = True
 
     def _to_dtensor(self) -> None:
@@ -224,52 +191,52 @@ class LocalShardStep:
         if not self._is_swapped:
             return
         self._is_swapped = False
-        plan = self._plan
+        swap = self._swap
         optimizer = self.optimizer
-        optimizer.state = plan.state
-        for group, group_plan in zip(optimizer.param_groups, plan.groups, strict=False):
-            group["params"] = group_plan.params
-        local_state = plan.local_state
-        for entry in plan.entries:
+        optimizer.state = swap.state
+        for group, group_swap in zip(optimizer.param_groups, swap.groups, strict=False):
+            group["params"] = group_swap.params
+        local_state = swap.local_state
+        for entry in swap.entries:
             entry.alias.grad = None
             lstate = local_state.get(entry.alias)
-            if lstate is not None and not _unchanged(
+            if lstate is not None and not unchanged(
                 lstate, entry.lstate, entry.names, entry.lvalues
             ):
-                _sync_state(entry, lstate)
-        if len(local_state) != plan.synced_len:
-            _append_new_state(plan)
+                sync_state(entry, lstate)
+        if len(local_state) != swap.synced_len:
+            append_new_state(swap)
 
-    def _is_current(self, plan: _Plan) -> bool:
-        """Whether nothing the plan was built from changed (by identity)."""
+    def _is_current(self, swap: Swap) -> bool:
+        """Whether nothing the swap was built from changed (by identity)."""
         optimizer = self.optimizer
         state = optimizer.state
-        if state is not plan.state or len(optimizer.param_groups) != len(plan.groups):
+        if state is not swap.state or len(optimizer.param_groups) != len(swap.groups):
             return False
-        for group, group_plan in zip(optimizer.param_groups, plan.groups, strict=True):
+        for group, group_swap in zip(optimizer.param_groups, swap.groups, strict=True):
             params = group["params"]
             if (
-                params is not group_plan.params
-                or len(params) != len(group_plan.members)
-                or any(a is not b for a, b in zip(params, group_plan.members, strict=True))
+                params is not group_swap.params
+                or len(params) != len(group_swap.members)
+                or any(a is not b for a, b in zip(params, group_swap.members, strict=True))
                 or group.get("differentiable", False)
             ):
                 return False
-        for entry in plan.entries:
+        for entry in swap.entries:
             dstate = state.get(entry.param)
             if entry.param._local_tensor is not entry.source or not (
                 dstate is entry.dstate
-                and (dstate is None or _unchanged(dstate, dstate, entry.names, entry.dvalues))
+                and (dstate is None or unchanged(dstate, dstate, entry.names, entry.dvalues))
             ):
                 return False
-        return all(state.get(p) is plan.local_state.get(p) for p in plan.plain)
+        return all(state.get(p) is swap.local_state.get(p) for p in swap.plain)
 
-    def _build_plan(self, stale: _Plan | None) -> _Plan:
+    def _build_swap(self, stale: Swap | None) -> Swap:
         """Aliases and the twin state from scratch (reusing ``stale``'s aliases whose
         local tensors stayed); raises before changing the optimizer."""
         optimizer = self.optimizer
         previous = {} if stale is None else {id(e.param): e for e in stale.entries}
-        entries: dict[int, _LocalParam] = {}
+        entries: dict[int, LocalParam] = {}
         plain: dict[int, torch.Tensor] = {}
         groups = []
         for index, group in enumerate(optimizer.param_groups):
@@ -287,7 +254,7 @@ class LocalShardStep:
                     continue
                 entry = entries.get(id(param))
                 if entry is None:
-                    _check_param(param, _param_name(group, index, position))
+                    check_param(param, param_name(group, index, position))
                     old = previous.get(id(param))
                     local = param._local_tensor
                     # Keep an alias while its local tensor stays: user code may hold it.
@@ -296,20 +263,20 @@ class LocalShardStep:
                         if old is not None and old.param is param and old.source is local
                         else local.detach()
                     )
-                    entry = _LocalParam(param, local, alias)
+                    entry = LocalParam(param, local, alias)
                     entries[id(param)] = entry
                 aliases.append(entry.alias)
-            groups.append(_GroupPlan(group["params"], tuple(group["params"]), aliases))
+            groups.append(GroupSwap(group["params"], tuple(group["params"]), aliases))
         local_state: State = defaultdict(dict)
         for key, dstate in optimizer.state.items():
             entry = entries.get(id(key))
             if entry is not None and entry.param is key:
-                lstate = {name: _local_value(key, name, value) for name, value in dstate.items()}
+                lstate = {name: local_value(key, name, value) for name, value in dstate.items()}
                 entry.synced(dstate, lstate)
                 local_state[entry.alias] = lstate
             elif plain.get(id(key)) is key:
                 local_state[key] = dstate
-        return _Plan(
+        return Swap(
             optimizer.state,
             local_state,
             groups,
@@ -318,11 +285,11 @@ class LocalShardStep:
             synced_len=len(local_state),
         )
 
-    def _local_grad(self, entry: _LocalParam) -> torch.Tensor | None:
+    def _local_grad(self, entry: LocalParam) -> torch.Tensor | None:
         grad = entry.param.grad
         if grad is None:
             return None
-        if not isinstance(grad, DTensor) or not _same_spec(grad, entry.param):
+        if not isinstance(grad, DTensor) or not same_spec(grad, entry.param):
             param = entry.param
             where = (
                 f"{grad.placements} on {grad.device_mesh}" if isinstance(grad, DTensor) else "plain"
@@ -338,7 +305,7 @@ class LocalShardStep:
         for index, group in enumerate(self.optimizer.param_groups):
             for position, member in enumerate(group["params"]):
                 if member is param:
-                    return _param_name(group, index, position)
+                    return param_name(group, index, position)
         return f"a param of shape {tuple(param.shape)}"
 
 
@@ -412,115 +379,3 @@ def step_on_local_shards(
     # through ``step.__func__``.
     optimizer.step = step.__get__(optimizer, type(optimizer))
     return handle
-
-
-# Validation and state mapping #
-
-
-def _param_name(group: dict[str, Any], index: int, position: int) -> str:
-    names = group.get("param_names")
-    if names is not None and position < len(names):
-        return f"{names[position]!r} (param_groups[{index}])"
-    return f"param_groups[{index}]['params'][{position}]"
-
-
-def _check_param(param: DTensor, name: str) -> None:
-    """A DTensor param whose update its local tensor alone can carry."""
-    what = f"{name}, a DTensor of shape {tuple(param.shape)} with placements {param.placements}"
-    if any(placement.is_partial() for placement in param.placements):
-        raise ValueError(
-            f"step_on_local_shards: {what}: a Partial placement holds a summand of each "
-            "element, not the element; redistribute it to Shard/Replicate before the step"
-        )
-    if param.dim() == 0:
-        raise ValueError(
-            f"step_on_local_shards: {what}: a 0-dim param's element-wise state cannot be "
-            "told apart from scalar state such as 'step'; keep it in another optimizer"
-        )
-
-
-def _same_spec(tensor: DTensor, param: DTensor) -> bool:
-    spec, param_spec = tensor._spec, param._spec
-    return (
-        spec.mesh is param_spec.mesh or spec.mesh == param_spec.mesh
-    ) and spec.placements == param_spec.placements
-
-
-def _local_value(param: DTensor, name: str, value: Any) -> Any:
-    if not isinstance(value, DTensor):
-        return value
-    if not _same_spec(value, param):
-        raise ValueError(
-            f"step_on_local_shards: optimizer state {name!r} of a param with placements "
-            f"{param.placements} is a DTensor with placements {value.placements} on "
-            f"{value.device_mesh}; load the state in the param's placements"
-        )
-    return value._local_tensor
-
-
-def _unchanged(
-    current: dict[str, Any],
-    planned: dict[str, Any] | None,
-    names: tuple[str, ...],
-    values: tuple[Any, ...],
-) -> bool:
-    """Whether ``current`` is the ``planned`` dict, holding ``values`` under ``names``,
-    by identity (a changed order counts as a change: the plan is rebuilt)."""
-    return (
-        current is planned
-        and len(current) == len(names)
-        and tuple(current) == names
-        and all(map(operator.is_, current.values(), values))
-    )
-
-
-def _sync_state(entry: _LocalParam, lstate: dict[str, Any]) -> None:
-    """Bring the DTensor state dict up to its twin after a step that changed it; the
-    same dict object as before the step if there was one (code may hold it)."""
-    param = entry.param
-    dstate = entry.dstate if entry.dstate is not None else {}
-    previous = dict(zip(entry.names, zip(entry.dvalues, entry.lvalues, strict=True), strict=True))
-    values = {}
-    for name, value in lstate.items():
-        pair = previous.get(name)
-        if pair is not None and pair[1] is value:
-            values[name] = pair[0]  # unchanged, or a DTensor updated in place
-        elif _is_new_param_like(value, pair, entry.alias):
-            # New state made like the param: torch.optim gets a DTensor for it, whose
-            # local tensor is this one (on the host under CPU offload, as torch.optim's
-            # ``zeros_like(param)`` is).
-            values[name] = wrap_local(
-                value, param.device_mesh, param.placements, param.shape, param.stride()
-            )
-        else:
-            values[name] = value
-    dstate.clear()
-    dstate.update(values)
-    entry.synced(dstate, lstate)
-
-
-def _is_new_param_like(value: Any, pair: tuple[Any, Any] | None, alias: torch.Tensor) -> bool:
-    """A plain tensor the step stored in place of a DTensor value (or under a new name)
-    with the param's local shape; 0-dim values are scalar state."""
-    return (
-        isinstance(value, torch.Tensor)
-        and not isinstance(value, DTensor)
-        and (pair is None or isinstance(pair[0], DTensor))
-        and value.dim() > 0
-        and value.shape == alias.shape
-    )
-
-
-def _append_new_state(plan: _Plan) -> None:
-    """State entries the step created, appended to ``optimizer.state`` in creation
-    order, as the DTensor step appends them."""
-    by_alias = {id(entry.alias): entry for entry in plan.entries}
-    for key, lstate in list(plan.local_state.items())[plan.synced_len :]:
-        entry = by_alias.get(id(key))
-        if entry is None:
-            plan.state[key] = lstate  # a plain param: the dict is shared
-            continue
-        if entry.lstate is not lstate:
-            _sync_state(entry, lstate)
-        plan.state[entry.param] = entry.dstate
-    plan.synced_len = len(plan.local_state)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..runtime.mesh import backend_for
-from ..runtime.tensor_utils import contiguous_stride, wrap_local
+from ..runtime.shard_geometry import contiguous_stride, wrap_local
 from .sources import Source
 
 

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from ..runtime.param import FSDPParam
 from ..runtime.param_group import FSDPParamGroup, TrainingState
-from ..runtime.tensor_utils import wrap_local
+from ..runtime.shard_geometry import wrap_local
 from .sources import fsdp_groups
 
 

@@ -44,7 +44,7 @@ from .extension import has_all_gather_extension
 from .mesh import MeshInfo
 from .observer import Watches
 from .param import FSDPParam, ParamToShard
-from .tensor_utils import ShardGeometry
+from .shard_geometry import ShardGeometry
 
 
 def shard_params(

@@ -1,12 +1,12 @@
 """How FSDP communicates in eager mode: the c10d calls of a group's collectives.
 
-Inputs in, a small frozen dataclass out; *when* to call these is scheduler.py's and
+Inputs in, a small frozen dataclass out; *when* to call these is comm_context.py's and
 param_group.py's business, *what* they carry the group's description's
 (comm_description.py), and the arithmetic around them comm_math.py's, which graph mode
 shares ([Note: one description, two executors]).
 
 Backends differ in what they do well, so the reduce-scatter has two implementations,
-picked per backward by `ReductionPlan.choose` from the backend that serves the
+picked per backward by `ReductionOps.choose` from the backend that serves the
 gradients' device:
 
 - ``all_to_all_single`` then a local sum (gloo): gloo implements
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import AllGather, ReduceScatter
-from .comm_description import ReductionPlan
+from .comm_description import ReductionOps
 from .comm_math import (
     QuantizedRows,
     QuantizedSums,
@@ -42,7 +42,7 @@ from .comm_math import (
     sum_quantized_rows,
 )
 from .comm_strategies import all_gather_single as _all_gather_single
-from .tensor_utils import free_storage
+from .storage import free_storage
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,14 @@ class ReduceScatterResult:
     input: torch.Tensor
     output: torch.Tensor  # (shard_numel,) or, for all-to-all, (W, shard_numel)
     work: dist.Work | None
-    plan: ReductionPlan
+    ops: ReductionOps
     input_nbytes: int  # the padded (W, shard_numel) input, for traces
 
 
 def reduce_scatter(
     reduce_input: torch.Tensor,
     group: dist.ProcessGroup,
-    plan: ReductionPlan,
+    ops: ReductionOps,
     strategy: ReduceScatter,
     async_op: bool,
 ) -> ReduceScatterResult:
@@ -98,8 +98,8 @@ def reduce_scatter(
         reduce_input: (W, shard_numel), row r for rank r. The caller has dropped the
             gradients copied into it first, so they are freed before the all-to-all's
             receive buffer (as large as the input) is allocated.
-        strategy: the group's reduce-scatter (comm_strategies.py); the plan's custom
-            one when it has one.
+        strategy: the group's reduce-scatter (comm_strategies.py); ``ops.custom``
+            when it has one.
     """
     world_size, shard_numel = reduce_input.shape
     reduce_dtype, device = reduce_input.dtype, reduce_input.device
@@ -107,23 +107,23 @@ def reduce_scatter(
     if world_size == 1:
         # One rank: its chunk is the whole buffer, and nothing is issued (as in torch's
         # FSDP2, a custom reduce-scatter included).
-        local = dataclasses.replace(plan, use_all_to_all=False, custom=None)
+        local = dataclasses.replace(ops, use_all_to_all=False, custom=None)
         return ReduceScatterResult(reduce_input, reduce_input.view(-1), None, local, nbytes)
-    if plan.use_all_to_all:
+    if ops.use_all_to_all:
         output = torch.empty_like(reduce_input)  # (W, shard_numel): every rank's chunk r
         work = dist.all_to_all_single(output, reduce_input, group=group, async_op=async_op)
     else:
-        op = dist.ReduceOp.AVG if plan.average_in_reduce_scatter else dist.ReduceOp.SUM
-        comm = plan.custom if plan.custom is not None else strategy
+        op = dist.ReduceOp.AVG if ops.average_in_reduce_scatter else dist.ReduceOp.SUM
+        comm = ops.custom if ops.custom is not None else strategy
         output = comm.allocate((shard_numel,), dtype=reduce_dtype, device=device)
         work = comm(output, reduce_input.view(-1), group, op, async_op=async_op)
-    return ReduceScatterResult(reduce_input, output, work, plan, nbytes)
+    return ReduceScatterResult(reduce_input, output, work, ops, nbytes)
 
 
 def finish_reduce_scatter(result: ReduceScatterResult) -> torch.Tensor:
     """This rank's reduced chunk, (shard_numel,), once ``result.work`` is waited: summed,
-    or averaged if ``plan.average_in_reduce_scatter``."""
-    if result.plan.use_all_to_all:
+    or averaged if ``ops.average_in_reduce_scatter``."""
+    if result.ops.use_all_to_all:
         # The all-to-all has landed, so nothing reads its input again: free it before
         # the sum allocates this rank's chunk. The peak is then the receive buffer and
         # the chunk, as torch's is its input and its output (gloo's own copies inside
@@ -136,7 +136,7 @@ def finish_reduce_scatter(result: ReduceScatterResult) -> torch.Tensor:
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool) -> dist.Work | None:
     """Issue the sum, or with ``average`` the average, of ``tensor`` in place over
     ``group`` (HSDP's replicate axis); ``tensor`` holds it once the returned work is
-    waited. ``average`` only where ``ReductionPlan`` chose AVG for it."""
+    waited. ``average`` only where ``ReductionOps`` chose AVG for it."""
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
@@ -150,7 +150,7 @@ class QuantizedReduceScatterResult:
     input: torch.Tensor  # (W, exact_nbytes + wire.nbytes) uint8: row r goes to rank r
     output: torch.Tensor  # (W, same) uint8: row r came from rank r
     work: dist.Work | None
-    plan: ReductionPlan
+    ops: ReductionOps
     input_nbytes: int
     layout: QuantizedRows
 
@@ -161,7 +161,7 @@ def quantized_reduce_scatter(
     reduce_dtype: torch.dtype,
     pre_divisor: float,
     group: dist.ProcessGroup,
-    plan: ReductionPlan,
+    ops: ReductionOps,
     fmt: str,
     block_size: int,
     residuals: list[torch.Tensor | None] | None,
@@ -175,7 +175,7 @@ def quantized_reduce_scatter(
     )
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    return QuantizedReduceScatterResult(send, recv, work, plan, send.numel(), layout)
+    return QuantizedReduceScatterResult(send, recv, work, ops, send.numel(), layout)
 
 
 def finish_quantized_reduce_scatter(result: QuantizedReduceScatterResult) -> torch.Tensor:

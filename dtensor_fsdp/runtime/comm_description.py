@@ -29,7 +29,7 @@ from ..comm_precision.wire_format import WireLayout
 from .comm_strategies import is_custom
 from .mesh import backend_for
 from .param import FSDPParam
-from .tensor_utils import ShardGeometry
+from .shard_geometry import ShardGeometry
 
 # Reduce dtypes whose range lets the collective sum before dividing.
 NO_OVERFLOW_RISK = (torch.float32, torch.bfloat16)
@@ -170,7 +170,7 @@ def describe_all_gather(
 
 
 @dataclass(frozen=True)
-class ReductionPlan:
+class ReductionOps:
     """Which collectives reduce a group's gradients, and which of them average."""
 
     use_all_to_all: bool  # gloo: all-to-all then a local sum
@@ -187,7 +187,7 @@ class ReductionPlan:
         *,
         prefer_average: bool,
         custom: ReduceScatter | None,
-    ) -> "ReductionPlan":
+    ) -> "ReductionOps":
         """Picked from the backend that serves the gradients' device
         (``ProcessGroup._get_backend(device)``), never from the backend's name:
         ``init_process_group()`` reports ``"undefined"``, and ``"cuda:nccl,cpu:gloo"``
@@ -200,10 +200,10 @@ class ReductionPlan:
             custom: a user ``ReduceScatter``; it gets SUM, and FSDP divides afterwards.
         """
         if custom is not None:
-            return ReductionPlan(
+            return ReductionOps(
                 use_all_to_all=False, average_in_reduce_scatter=False, custom=custom
             )
-        return ReductionPlan(
+        return ReductionOps(
             use_all_to_all=_is_backend(backend_for(shard_group, device), "ProcessGroupGloo"),
             average_in_reduce_scatter=prefer_average and _averages_well(shard_group, device),
             average_in_all_reduce=prefer_average and _averages_well(replicate_group, device),
@@ -226,23 +226,23 @@ def _is_backend(backend: object | None, class_name: str) -> bool:
     return cls is not None and isinstance(backend, cls)
 
 
-def quantized_plan(
-    plan: ReductionPlan, policy: CommPrecisionPolicy | None, is_quantized: Sequence[bool]
-) -> ReductionPlan:
-    """``plan`` under a policy that quantizes the reduce-scatter: quantized legs sum in
+def quantized_ops(
+    ops: ReductionOps, policy: CommPrecisionPolicy | None, is_quantized: Sequence[bool]
+) -> ReductionOps:
+    """``ops`` under a policy that quantizes the reduce-scatter: quantized legs sum in
     fp32 after decoding, so no collective averages."""
     if policy is None or policy.reduce_scatter is None:
-        return plan
+        return ops
     return dataclasses.replace(
-        plan,
-        use_all_to_all=plan.use_all_to_all or any(is_quantized),
-        average_in_reduce_scatter=plan.average_in_reduce_scatter and not any(is_quantized),
+        ops,
+        use_all_to_all=ops.use_all_to_all or any(is_quantized),
+        average_in_reduce_scatter=ops.average_in_reduce_scatter and not any(is_quantized),
         average_in_all_reduce=False,
     )
 
 
 def gradient_divisors(
-    plan: ReductionPlan,
+    ops: ReductionOps,
     reduce_dtype: torch.dtype,
     divide_factor: float | None,
     shard_size: int,
@@ -254,8 +254,8 @@ def gradient_divisors(
     sum, about sqrt each side, so the sum cannot overflow: torch's power-of-two split,
     so the rounding is torch's too."""
     divisor = divide_factor or float(
-        (1 if plan.average_in_reduce_scatter else shard_size)
-        * (1 if plan.average_in_all_reduce else replicate_size)
+        (1 if ops.average_in_reduce_scatter else shard_size)
+        * (1 if ops.average_in_all_reduce else replicate_size)
     )
     if divisor == 1.0 or reduce_dtype in NO_OVERFLOW_RISK:
         return 1.0, divisor
@@ -273,8 +273,8 @@ class ReductionDescription:
     sharded gradients land."""
 
     params: tuple[ParamComm, ...]
-    plan: ReductionPlan
-    # Calls the reduce-scatter where the plan reduce-scatters (custom, or a built-in:
+    ops: ReductionOps
+    # Calls the reduce-scatter where ``ops`` reduce-scatter (custom, or a built-in:
     # comm_strategies.py); allocates the all-to-all's output where it does not.
     strategy: ReduceScatter
     reduce_dtype: torch.dtype
@@ -352,7 +352,7 @@ def describe_reduction(
     reduce_dtype = params[0].reduce_dtype
     policy = settings.policy
     strategy = settings.strategy
-    plan = ReductionPlan.choose(
+    ops = ReductionOps.choose(
         settings.shard_group,
         settings.replicate_group,
         settings.device,
@@ -370,9 +370,9 @@ def describe_reduction(
             )
             for p in params
         )
-    plan = quantized_plan(plan, policy, quantized)
+    ops = quantized_ops(ops, policy, quantized)
     pre_divisor, post_divisor = gradient_divisors(
-        plan,
+        ops,
         reduce_dtype,
         settings.gradient_divide_factor,
         settings.shard_size,
@@ -381,7 +381,7 @@ def describe_reduction(
     is_hsdp = settings.replicate_group is not None
     return ReductionDescription(
         params=tuple(ParamComm.of(p) for p in params),
-        plan=plan,
+        ops=ops,
         strategy=strategy,
         reduce_dtype=reduce_dtype,
         pre_divisor=pre_divisor,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm_precision.wire_format import WireLayout, decode, decode_sum, encode
-from .tensor_utils import ShardGeometry, chunk_rows
+from .shard_geometry import ShardGeometry, chunk_rows
 
 # All-gather #
 

@@ -15,7 +15,7 @@ symmetric-kernel all-gather; a torch build without symmetric memory, a CPU one, 
 A group's `GroupComm` (comm_description.py) holds its strategies; the eager runtime
 calls them (collectives.py), graph mode runs the defaults as functional collectives,
 which the compiler can bucket, and any other strategy as an opaque op that calls it
-(graph/strategy_ops.py).
+(graph/collectives.py).
 """
 
 import math

@@ -32,7 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..api import MixedPrecisionPolicy
-from .tensor_utils import alloc_storage, contiguous_stride, free_storage
+from .shard_geometry import contiguous_stride
+from .storage import alloc_storage, free_storage
 
 
 def has_all_gather_extension(local: torch.Tensor) -> bool:

@@ -1,80 +1,33 @@
 """FSDPParamGroup: one ``fully_shard`` call's parameters and their lifecycle verbs.
 
-[Note: re-deriving the sharded state]
-``nn.Module._apply`` (``to_empty``, ``to(dtype)``, ``half()``, ``cuda()``...) and
-``param.data = ...`` give sharded params new local tensors outside the sharded buffer;
-``module.w = nn.Parameter(dtensor)`` registers a new sharded param, which FSDP adopts
-(it becomes the sharded param, as in torch's FSDP2, once checked to have the old one's
-layout). As in torch's FSDP2, the sharded params as the user left them are the truth: the
-group re-derives dtypes and the sharded buffer from them (`reset_sharded_params`) after
-every ``_apply`` of one of its modules once none of them is on meta any more (a group
-over several modules is only complete after the last one's ``_apply``), at lazy init,
-and before an all-gather that finds a replaced local tensor.
+The class is split by job: its sharded buffer, all-gather layout and settings are
+`GroupLayout`'s (group_layout.py: see [Note: re-deriving the sharded state] there), the
+streams, waits and observers of its all-gather are `GroupStreams`' (group_streams.py),
+and the version and step guards are one `GroupGuards` (group_guards.py) it calls; this
+module holds its state and its lifecycle verbs, in the order of state.py's map.
 """
-
-from enum import Enum, auto
 
 import torch
 import torch.nn as nn
 
-from ..api import (
-    AllGather,
-    CommPrecisionPolicy,
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-)
-from .all_gather_layout import (
-    AllGatherInFlight,
-    AllGatherLayout,
-    AllGatherSource,
-    PostForwardShard,
-    shard_params,
-)
+from ..api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .all_gather_layout import AllGatherInFlight, AllGatherLayout, PostForwardShard, shard_params
 from .collectives import all_gather
-from .comm_strategies import DefaultAllGather, is_custom
+from .comm_context import CommContext
+from .comm_strategies import DefaultAllGather
+from .group_guards import GroupGuards
+from .group_layout import GroupLayout
+from .group_streams import GroupStreams
 from .mesh import MeshInfo
-from .observer import (
-    Collective,
-    CommObserver,
-    Observers,
-    Watches,
-    begin_wait,
-    check_collective,
-    end_wait,
-    wait_work,
-    watch_collective,
-)
+from .observer import CommObserver, Observers
 from .param import FSDPParam, ParamToShard, ShardedState
-from .param_reset import (
-    adopt_replacement,
-    check_materialized,
-    check_replacement,
-    move_sharded_param,
-    rederive_sharded_buffer,
-)
+from .param_reset import check_materialized
 from .profiler_labels import ProfilerLabels
 from .reduction.gradient_reduction import GradientReduction
-from .scheduler import CommContext
-from .streams import CommStreams, StreamRole
+from .training_state import TrainingState, is_in_backward
 
 
-def is_in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (torch's
-    ``is_bw``)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class TrainingState(Enum):
-    """Where a group is in the iteration."""
-
-    IDLE = auto()
-    FORWARD = auto()
-    PRE_BACKWARD = auto()
-    POST_BACKWARD = auto()
-
-
-class FSDPParamGroup:
+class FSDPParamGroup(GroupLayout, GroupStreams):
     """The parameters of one ``fully_shard`` call, communicated together."""
 
     def __init__(
@@ -142,80 +95,13 @@ class FSDPParamGroup:
         # hpZ between forward and backward; None when fully sharded or unsharded.
         self._post_forward: PostForwardShard | None = None
         self._forwarded_modules: set[int] = set()  # ids of modules whose forward ran
-        # Each param's `sharded_version` when the unsharded params (or hpZ's post-forward
-        # buffer) were last all-gathered from the sharded ones; see `_reshard_if_stale`.
-        self._gathered_versions: list[tuple[int, int]] | None = None
-        # `_gathered_versions` as the forward's autograd graph saw them, from the end of
-        # the forward to the pre-backward: see `_check_unchanged_since_forward`.
-        self._forward_versions: list[tuple[int, int]] | None = None
+        # The version and step guards (group_guards.py), called at the verbs below.
+        self.guards = GroupGuards(self.fsdp_params)
         # Every FSDPParam of the root's tree, set at lazy init: a replacement is checked
         # against them all, so a tie made after fully_shard is refused across groups.
         self.tree_params: list[FSDPParam] | None = None
 
     # Initialization #
-
-    def _sharded_device(self, device: torch.device) -> torch.device:
-        if self.offload is None or device.type == "meta":
-            return device
-        return torch.device("cpu")
-
-    def _pins_sharded_buffer(self) -> bool:
-        """Pinned host memory lets the offload copies run asynchronously; pinning needs
-        an accelerator, so a CPU mesh just uses ordinary memory."""
-        return (
-            self.offload is not None
-            and self.offload.pin_memory
-            and self.device.type not in ("cpu", "meta")
-        )
-
-    @property
-    def sharded_buffer(self) -> torch.Tensor:
-        """The group's sharded buffer: see [Note: sharded buffer] (all_gather_layout.py)."""
-        return self.all_gather_layout.sharded_buffer
-
-    def set_comm_precision(self, policy: CommPrecisionPolicy | None) -> None:
-        """What the wire carries from now on (see `CommPrecisionPolicy`).
-
-        Raises:
-            RuntimeError: the group is between its forward and its backward, or has an
-                all-gather in flight: its next collectives must read what this one wrote
-                in the same layout.
-        """
-        if (
-            self.training_state != TrainingState.IDLE
-            or self.sharded_state != ShardedState.SHARDED
-            or self._in_flight is not None
-            or self._post_forward is not None
-        ):
-            raise RuntimeError(
-                f"set_comm_precision on '{self.fqn or 'the root'}' between its forward and "
-                "its backward (or with an unshard in flight): call it between iterations"
-            )
-        self.reduction.set_comm_precision(policy)
-        self._rebuild_layout(policy, self.all_gather_layout.strategy, self.sharded_buffer)
-
-    @property
-    def all_gather_comm(self) -> AllGather:
-        """The group's all-gather strategy (comm_strategies.py)."""
-        return self.all_gather_layout.strategy
-
-    @property
-    def custom_all_gather(self) -> AllGather | None:
-        """A user's ``set_custom_all_gather`` strategy, if set."""
-        comm = self.all_gather_layout.strategy
-        return comm if is_custom(comm) else None
-
-    def set_all_gather_comm(self, comm: AllGather) -> None:
-        """Run this group's all-gathers with ``comm`` from the next one on."""
-        layout = self.all_gather_layout
-        self._rebuild_layout(layout.comm_precision, comm, layout.sharded_buffer)
-
-    def _rebuild_layout(
-        self, policy: CommPrecisionPolicy | None, comm: AllGather, sharded_buffer: torch.Tensor
-    ) -> None:
-        self.all_gather_layout = AllGatherLayout.build(
-            self.fsdp_params, policy, sharded_buffer, comm, self.offload is not None
-        )
 
     def to_sharded_modules(self) -> None:
         """The one mutation of ``fully_shard``: register the sharded params."""
@@ -229,71 +115,7 @@ class FSDPParamGroup:
         self.reset_sharded_params()
         check_materialized(self.fsdp_params, offload=self.offload is not None)
         self.ctx = ctx
-
-    def reset_sharded_params(self) -> bool:
-        """Re-derive the sharded buffer and every parameter's dtypes from the sharded
-        params as they are now, adopting a Parameter registered in place of one; a
-        no-op if nothing changed. See [Note: re-deriving the sharded state]. Returns
-        whether it re-derived the buffer.
-
-        Raises:
-            ValueError: a sharded param was replaced by something FSDP cannot adopt (see
-                `check_replacement` (param_reset.py)); nothing is changed then.
-        """
-        replaced = [p for p in self.fsdp_params if p.is_replaced()]
-        if replaced:
-            owners = self.tree_params if self.tree_params is not None else self.fsdp_params
-            self.check_replacements({id(p.sharded_param): p for p in owners})
-            for fsdp_param in replaced:
-                adopt_replacement(fsdp_param)
-        if not [p for p in self.fsdp_params if not p.is_current()]:
-            return False
-        locals_ = [p.registered_local() for p in self.fsdp_params]
-        devices = {t.device for t in locals_}
-        if len(devices) > 1 or any(t.is_meta for t in locals_):
-            return False  # another module of the group has not been applied yet
-        device = devices.pop()
-        if self.offload is not None and device.type != "cpu":
-            return False  # lazy init refuses it, as torch does
-        if self.device.type == "meta":
-            self.device = self.mesh_info.device
-        # Sorted in place, since the reduction holds this same list.
-        sharded_buffer = rederive_sharded_buffer(
-            self.fsdp_params, device, self._pins_sharded_buffer()
-        )
-        layout = self.all_gather_layout
-        self._rebuild_layout(layout.comm_precision, layout.strategy, sharded_buffer)
-        self.reduction.forget_description()  # the params' reduce dtypes may have changed
-        return True
-
-    def move_sharded_buffer(self, buffer: torch.Tensor) -> None:
-        """Make ``buffer`` the group's sharded buffer: a copy of this one's bytes that
-        the caller made, on any device (pinned host memory while a phase offload frees
-        the device, and a device copy again after it: post_training/offload.py). The
-        sharded params stay the same Parameter objects, now over their segments of
-        ``buffer`` (`move_sharded_param`); their grads must have been taken off first.
-        Between iterations only: the group is sharded, nothing in flight."""
-        assert (
-            self.sharded_state == ShardedState.SHARDED
-            and self.training_state == TrainingState.IDLE
-            and self._in_flight is None
-            and self._post_forward is None
-        ), f"{self.fqn}: the sharded buffer moves between iterations only"
-        assert buffer.dtype == torch.uint8 and buffer.numel() == self.sharded_buffer.numel()
-        sizes = [p.sharded_buffer_nbytes for p in self.fsdp_params]
-        for fsdp_param, segment in zip(self.fsdp_params, buffer.split(sizes), strict=True):
-            move_sharded_param(fsdp_param, segment)
-        self.all_gather_layout = AllGatherLayout.build(
-            self.fsdp_params, self.all_gather_layout.comm_precision, buffer
-        )
-
-    def check_replacements(self, owners: dict[int, FSDPParam]) -> None:
-        """`check_replacement` (param_reset.py) for every replaced param of the group;
-        ``owners`` maps sharded param ids to their FSDPParams (this group's, or at lazy
-        init every group's of the tree)."""
-        for fsdp_param in self.fsdp_params:
-            if fsdp_param.is_replaced():
-                check_replacement(fsdp_param, owners)
+        self.guards.step_guard = ctx.step_guard
 
     # Runtime #
 
@@ -319,11 +141,8 @@ class FSDPParamGroup:
             if role is not None:
                 streams.wait_for_event(role, post_forward.written)
             self._post_forward = PostForwardShard(post_forward.buffer, written=None)
-        # For `_reshard_if_stale`. Every group: besides the root and
-        # reshard_after_forward/backward=False, an explicit unshard() and hpZ's
-        # post-forward buffer also keep a group's all-gathered values into a forward.
         if post_forward is None:
-            self._gathered_versions = [p.sharded_version() for p in self.fsdp_params]
+            self.guards.gathered()
         if self.labels is not None:
             self.labels.enter("all_gather")
         with streams.on(role):
@@ -355,7 +174,7 @@ class FSDPParamGroup:
         in_flight = self._wait_all_gather()
         if self.training_state == TrainingState.FORWARD and self.ctx is not None:
             # The previous forward copy-out's output; see [Note: forward all-gather
-            # overlap] (scheduler.py).
+            # overlap] (comm_context.py).
             self.ctx.release_kept_all_gather()
         self._post_forward = None  # its contents are in the all-gather output now
         source = in_flight.source
@@ -395,23 +214,11 @@ class FSDPParamGroup:
     def _reshard_if_stale(self) -> None:
         """Reshard a group kept unsharded since an earlier forward or backward (the root
         after a ``no_grad`` forward, ``set_reshard_after_backward(False)``) whose sharded
-        params changed since their all-gather, so that this forward all-gathers the new
-        values (torch's FSDP2 computes with the old ones): an in-place write that bumped
-        a version counter (a per-tensor ``torch.optim`` step, ``step_on_local_shards``,
-        ``copy_``), ``param.data = ...``, or a param replaced in the module.
-
-        Not seen, as in torch: a foreach or fused ``torch.optim`` step (the default for
-        DTensors on an accelerator) writes the local shards below autograd, where no
-        version counter counts; after such a step between a ``no_grad`` forward and the
-        next forward, call ``model.reshard()`` (README, differences). Resharding at
-        every training forward after an evaluation instead would cost one all-gather
-        of the root per evaluation loop, which torch does not issue.
-        """
+        params changed since their all-gather (`GroupGuards.is_stale`), so that this
+        forward all-gathers the new values (torch's FSDP2 computes with the old ones)."""
         if self.sharded_state == ShardedState.SHARDED and self._post_forward is None:
             return
-        if any(p.is_foreign() or not p.is_current() for p in self.fsdp_params) or (
-            self._gathered_versions != [p.sharded_version() for p in self.fsdp_params]
-        ):
+        if self.guards.is_stale():
             self.reshard()
 
     def post_forward(self, module: nn.Module) -> None:
@@ -445,12 +252,8 @@ class FSDPParamGroup:
         if self.labels is not None:
             self.labels.enter("post_forward")
         self._forwarded_modules.clear()
-        self._forward_versions = self._gathered_versions
         in_backward = is_in_backward()
-        # A backward may follow (not after a no_grad forward, nor a forward recomputed
-        # inside a backward): see [Note: optimizer step between forward and backward].
-        if self.ctx is not None and not in_backward and torch.is_grad_enabled():
-            self.ctx.step_guard.forward_done(self, self.fsdp_params)
+        self.guards.forward_done(in_backward)
         # A forward recomputed inside backward (reentrant checkpointing reruns it before
         # this group's pre-backward) keeps the params: its backward comes next, as torch.
         if self.reshard_after_forward and not in_backward:
@@ -500,36 +303,9 @@ class FSDPParamGroup:
         if self.observers:
             self._record("pre_backward")
         self.unshard()
-        self._check_unchanged_since_forward()
+        self.guards.check_unchanged_since_forward(self.fqn)
         if self.labels is not None:
             self.labels.exit("pre_backward")
-
-    def _check_unchanged_since_forward(self) -> None:
-        """Refuse a backward whose forward computed with other values of the sharded
-        params (``optimizer.step()`` between forward and backward): see [Note:
-        optimizer step between forward and backward] (step_guard.py).
-
-        Free in the usual case: the versions were read at the forward's all-gather and
-        at this backward's (or its prefetch); only a group not gathered again (kept
-        unsharded, hpZ, ``set_unshard_in_backward(False)``) reads them now. A foreach
-        or fused ``torch.optim`` step bumps no version counter: the step guard saw it.
-        """
-        forward, self._forward_versions = self._forward_versions, None
-        seen = self.ctx.step_guard.take(self) if self.ctx is not None else None
-        if seen is not None:
-            raise RuntimeError(
-                _modified_message(self.fqn, seen.names, f"{seen.optimizer}.step() ran")
-            )
-        if forward is None:
-            return
-        now = self._gathered_versions
-        if now is forward:
-            now = [p.sharded_version() for p in self.fsdp_params]
-        if now == forward:
-            return
-        changed = [p.fqn for p, a, b in zip(self.fsdp_params, forward, now, strict=True) if a != b]
-        cause = "an optimizer.step() or another in-place update before loss.backward()?"
-        raise RuntimeError(_modified_message(self.fqn, changed, cause))
 
     def post_backward(self) -> None:
         """Reduce-scatter the unsharded grads (unless accumulating) and reshard.
@@ -603,126 +379,3 @@ class FSDPParamGroup:
         for fsdp_param in self.fsdp_params:
             fsdp_param.discard_pending_grads()
         self.reduction.discard_error_feedback()
-
-    # Communication helpers #
-
-    def _all_gather_source_now(self) -> AllGatherSource:
-        layout = self.all_gather_layout
-        if self._post_forward is not None:
-            assert self.post_forward_mesh_info is not None
-            return layout.post_forward_source(
-                self._post_forward, self.mesh_info, self.post_forward_mesh_info
-            )
-        # CPU offload: one host-to-device copy of the whole group's shards (on the
-        # all-gather stream on an accelerator, so it overlaps compute).
-        sharded = layout.sharded_buffer.to(self.device, non_blocking=True)
-        return layout.sharded_source(sharded, self.mesh_info)
-
-    def _wait_all_gather(self) -> AllGatherInFlight | None:
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is None:
-            return None
-        result, source = in_flight.result, in_flight.source
-        # The all-gather stream's writes (see `unshard`), whatever Work exists.
-        self._streams().wait_for_event(None, in_flight.event)
-        if source.mesh_info.shard_size == 1:
-            return in_flight  # nothing was issued (one rank)
-        watches = in_flight.watches
-        if watches:
-            begin_wait(watches)
-        if result.work is not None:
-            wait_work(result.work, watches)  # on an accelerator, the compute stream waits
-        if watches:
-            end_wait(watches, result.output.numel(), self._phase())  # uint8 output
-        return in_flight
-
-    def _release_all_gather(self) -> None:
-        """An all-gather waited but not copied out (dropped): the all-gather stream
-        waits for the compute stream before its next allocations may reuse the
-        buffers. The caller drops its references right after."""
-        self._streams().wait_for_compute(StreamRole.ALL_GATHER)
-
-    def _release_copied_out(self, in_flight: AllGatherInFlight) -> None:
-        """The copy-out of ``in_flight`` is queued: the all-gather stream waits for it
-        before the output is freed, at the next copy-out for a forward implicit
-        unshard over more than one rank, else now. See [Note: forward all-gather
-        overlap] (scheduler.py); the host has no stream to overlap and frees it at
-        once. The caller drops its references right after."""
-        streams = self._streams()
-        copy_out_event = streams.record_compute()
-        if (
-            streams.has_streams
-            and self.training_state == TrainingState.FORWARD
-            and not in_flight.is_async
-            and in_flight.source.mesh_info.shard_size > 1
-            and self.ctx is not None
-        ):
-            self.ctx.keep_all_gather(in_flight.result.output, copy_out_event)
-        else:
-            streams.wait_for_event(StreamRole.ALL_GATHER, copy_out_event)
-
-    # Streams #
-
-    def _streams(self) -> CommStreams:
-        return self.ctx.streams if self.ctx is not None else CommStreams()
-
-    def _all_gather_role(self) -> StreamRole | None:
-        """FSDP's own all-gathers (forward, backward and their prefetches) run on the
-        all-gather stream; a user's ``unshard()`` on the current one, as in torch."""
-        return StreamRole.ALL_GATHER if self._phase() in ("forward", "backward") else None
-
-    # Observers #
-
-    def _phase(self) -> str:
-        if self.training_state == TrainingState.FORWARD:
-            return "forward"
-        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
-            return "backward"
-        if self.ctx is not None and self.ctx.is_backward_callback_queued:
-            return "backward"  # prefetched for a backward that has not reached us yet
-        if self.ctx is not None and self.ctx.is_in_forward:
-            return "forward"  # prefetched for a forward that has not reached us yet
-        return "explicit"
-
-    def set_observer(self, name: str, observer: CommObserver | None) -> None:
-        """Attach ``observer`` under ``name`` (``"trace"``, ``"check"``: the setter's
-        own name), replacing the one attached there; ``None`` detaches it."""
-        self._observer_slots.pop(name, None)
-        if observer is not None:
-            self._observer_slots[name] = observer
-        self.observers = tuple(self._observer_slots.values())
-
-    def _record(self, step: str) -> None:
-        """Lifecycle ``step`` to the observers; callers test ``self.observers`` first,
-        so that a group without any pays no call."""
-        phase = self._phase()
-        for observer in self.observers:
-            observer.lifecycle(step, self.fqn, phase)
-
-    def _observe_all_gather(self, source: AllGatherSource) -> Watches:
-        """The all-gather of ``source`` to the observers: their checks (which may
-        raise: nothing is issued then), the ``unshard`` step, then their watches, on
-        the stream it is issued from."""
-        collective = Collective(
-            "all_gather",
-            self.fqn,
-            self._phase(),
-            source.mesh_info.shard_group,
-            source.mesh_info.shard_size,
-            source.mesh_info.device,
-            source.input.nbytes,
-            self._streams(),
-        )
-        check_collective(self.observers, collective)
-        self._record("unshard")
-        return watch_collective(self.observers, collective)
-
-
-def _modified_message(fqn: str, names: list[str], cause: str) -> str:
-    """Plain PyTorch's error for a backward after an in-place change of ``names``."""
-    return (
-        "one of the variables needed for gradient computation has been modified by an "
-        f"inplace operation: the sharded parameters {names} of '{fqn or 'root'}' changed "
-        f"between its forward and this backward ({cause}). Their gradients would mix the "
-        "values before and after the change: call backward before updating the parameters"
-    )

@@ -1,7 +1,7 @@
 """Re-deriving a sharded parameter after user code replaced it: checking and
 adopting a Parameter registered in its place, and moving a replaced local tensor into
 the group's new sharded buffer (see [Note: re-deriving the sharded state] in
-param_group.py); moving a sharded parameter onto a copy of its shard on another device
+group_layout.py); moving a sharded parameter onto a copy of its shard on another device
 (a phase offload); at lazy init, refusing parameters never materialized.
 
 Off the per-step path (it runs only after user code changed a parameter): `FSDPParam`

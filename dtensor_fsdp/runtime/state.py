@@ -30,11 +30,11 @@ from torch.utils.hooks import RemovableHandle
 
 from ..api import MixedPrecisionPolicy
 from .activations import grad_tensors, map_tensors, replace_grad_tensors
+from .comm_context import CommContext
 from .observer import CommObserver
 from .param import FSDPParam
 from .param_group import FSDPParamGroup, TrainingState, is_in_backward
 from .profiler_labels import ProfilerLabels
-from .scheduler import CommContext
 from .streams import CommStreams, streams_for
 
 _P = ParamSpec("_P")
@@ -91,7 +91,11 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] | None = None  # None: implicit
         self.max_in_flight_reduce_scatters = 1  # torch's default; read at lazy init
-        # The root's tree-wide check observer (`set_check`), read at lazy init.
+        # The root's check observer (`set_check`: FSDPModule.set_divergence_check and
+        # set_nonfinite_grad_check; ranks agree before each collective,
+        # observe/consistency.py), attached to every group of the tree at lazy init:
+        # one for the tree, since its sequence numbers count per process group across
+        # groups. None when both checks are off.
         self.check: CommObserver | None = None
         # Builds the root's watchdog observer at lazy init, when the tree is known
         # (fully_shard installs the flight recorder's, observe/watchdog.py;
@@ -151,7 +155,6 @@ class FSDPState:
         ctx = CommContext(
             max_in_flight_reduce_scatters(states), self.shared_streams or streams_for(self.device)
         )
-        ctx.check = self.check
         groups = [g for s in states for g in s.groups]
         # A parameter replaced since fully_shard by another group's sharded param (a tie
         # made after fully_shard) is refused before any group adopts anything.
@@ -183,7 +186,6 @@ class FSDPState:
         self.check = check
         if self.ctx is None:
             return
-        self.ctx.check = check
         for state in self.states_in_tree:
             for group in state.groups:
                 group.set_observer("check", check)

@@ -4,9 +4,10 @@
 A backward whose forward computed with other values of the sharded params mixes the
 values before and after the change in its gradients. Plain PyTorch raises ("modified
 by an inplace operation") from the version counters autograd saved; torch's FSDP2
-computes silently. The group's version check (`FSDPParamGroup._check_unchanged_since_forward`)
-sees every write that bumps a version counter: a per-tensor ``torch.optim`` step (on
-the DTensor), ``step_on_local_shards`` and ``copy_`` (on the local tensor). A foreach
+computes silently. The group's version check
+(`GroupGuards.check_unchanged_since_forward`, group_guards.py) sees every write that
+bumps a version counter: a per-tensor ``torch.optim`` step (on the DTensor),
+``step_on_local_shards`` and ``copy_`` (on the local tensor). A foreach
 or fused ``torch.optim`` step on DTensors (the default on an accelerator) writes the
 local tensors below autograd and bumps neither counter; so the guard also watches
 every optimizer step, whatever its implementation, through torch's global optimizer

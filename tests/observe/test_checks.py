@@ -108,9 +108,9 @@ def _setters(mesh) -> dict:
     except ValueError as error:
         out["non_root"] = str(error)
     model.set_divergence_check(True, timeout=2.5)
-    out["timeout_s"] = model._get_fsdp_state().ctx.check.timeout.total_seconds()
+    out["timeout_s"] = model._get_fsdp_state().check.timeout.total_seconds()
     model.set_divergence_check(False)
-    out["off"] = model._get_fsdp_state().ctx.check is None
+    out["off"] = model._get_fsdp_state().check is None
     return out
 
 

@@ -23,7 +23,7 @@ def test_fake_process_group_step_with_checks_on() -> None:
         model.set_nonfinite_grad_check(True)
         for _ in range(2):
             model(torch.randn(2, DIM)).backward()
-        check = model._get_fsdp_state().ctx.check
+        check = model._get_fsdp_state().check
         # Two steps: per step 4 forward all-gathers, 3 backward ones, 4 reduce-scatters.
         assert sum(check._seq.values()) == 2 * (4 + 3 + 4)
 

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..param import FSDPParam
-from ..tensor_utils import ShardGeometry, contiguous_stride
+from ..shard_geometry import ShardGeometry, contiguous_stride
 
 RESIDUALS_ATTR = "_fsdp_error_feedback"
 

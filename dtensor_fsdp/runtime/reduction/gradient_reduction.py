@@ -2,7 +2,7 @@
 
 Post-backward has it take the group's unsharded grads (zeros for unused parameters if
 asked), reshards, then has it pack them into one reduce-scatter (torch's order: the
-unsharded params are freed before the reduce-scatter input exists). When the scheduler
+unsharded params are freed before the reduce-scatter input exists). When the CommContext
 finishes that collective, it reduces over HSDP's replicate axis (one all-reduce, or a
 partial sum kept for later with ``set_requires_all_reduce(False)``), divides once by the
 data parallel world size (or the user's factor), runs the user's all-reduce hook and
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ...api import CommPrecisionPolicy, CPUOffloadPolicy, ReduceScatter
+from ..comm_context import CommContext
 from ..comm_description import (
     ReductionDescription,
     ReductionSettings,
@@ -41,7 +42,6 @@ from ..observer import (
     wait_work,
 )
 from ..param import FSDPParam
-from ..scheduler import CommContext
 from ..streams import CommStreams, StreamRole
 from .error_feedback import ErrorFeedback
 from .landing import land_sharded_grads, split_reduced
@@ -308,7 +308,7 @@ class GradientReduction:
     def _issue_all_reduce(self, issued: IssuedReduceScatter, ctx: CommContext) -> None:
         """HSDP: once the reduce-scatter is done, issue the all-reduce over replicas on
         its own stream; it is in flight while backward goes on, and the gradients land
-        when the scheduler finishes it (the bounded queue, or the end of backward)."""
+        when the CommContext finishes it (the bounded queue, or the end of backward)."""
         streams = ctx.streams
         with streams.on(StreamRole.ALL_REDUCE):
             # The all-reduce stream waits for the reduce-scatter and what compute wrote
@@ -318,7 +318,7 @@ class GradientReduction:
             reduced = finish_any_reduce_scatter(issued.result)
             pending = self._all_reduce_over_replicas(
                 dict(zip(issued.params, split_reduced(reduced, issued.params), strict=True)),
-                average=issued.result.plan.average_in_all_reduce,
+                average=issued.result.ops.average_in_all_reduce,
                 policy=issued.description.policy,
                 observers=issued.observers,
                 fqn=issued.fqn,

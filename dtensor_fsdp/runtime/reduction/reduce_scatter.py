@@ -71,7 +71,7 @@ def issue_reduce_scatter(
             grads, description.reduce_dtype, group.size(), description.pre_divisor
         )
         return reduce_scatter(
-            reduce_input, group, description.plan, description.strategy, async_op=True
+            reduce_input, group, description.ops, description.strategy, async_op=True
         )
     policy = description.policy
     assert policy is not None and policy.reduce_scatter is not None
@@ -81,7 +81,7 @@ def issue_reduce_scatter(
         description.reduce_dtype,
         description.pre_divisor,
         group,
-        description.plan,
+        description.ops,
         policy.reduce_scatter,
         policy.block_size,
         residuals,

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from dtensor_fsdp import fully_shard
 from dtensor_fsdp.runtime.collectives import all_reduce, finish_reduce_scatter, reduce_scatter
-from dtensor_fsdp.runtime.comm_description import ReductionPlan
+from dtensor_fsdp.runtime.comm_description import ReductionOps
 from dtensor_fsdp.runtime.comm_math import copy_in_grads
 from dtensor_fsdp.runtime.comm_strategies import DefaultReduceScatter
 from tests._harness import run_distributed, run_scenarios, scenario_records
@@ -57,11 +57,11 @@ def _expected_chunk(rank: int, world_size: int) -> torch.Tensor:
     return torch.cat(chunks)
 
 
-def _reduce(plan: ReductionPlan) -> dict[str, torch.Tensor]:
+def _reduce(ops: ReductionOps) -> dict[str, torch.Tensor]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     reduce_input = copy_in_grads(_rank_grads(rank), torch.float32, world_size)
     result = reduce_scatter(
-        reduce_input, dist.group.WORLD, plan, DefaultReduceScatter(), async_op=True
+        reduce_input, dist.group.WORLD, ops, DefaultReduceScatter(), async_op=True
     )
     if result.work is not None:
         result.work.wait()
@@ -101,14 +101,14 @@ def _train_vs_torch(mesh: Any) -> dict:
 
 def _with_backend(store_dir: str, name: str, backend: str | None) -> dict:
     """Rebuild the default group with ``backend`` (None: no argument), then check the
-    plan and train against torch."""
+    reduction ops and train against torch."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dist.destroy_process_group()
     store = dist.FileStore(os.path.join(store_dir, name), world_size)
     kwargs = {} if backend is None else {"backend": backend}
     dist.init_process_group(store=store, rank=rank, world_size=world_size, **kwargs)
     mesh = init_device_mesh("cpu", (world_size,))
-    plan = ReductionPlan.choose(mesh.get_group(0), None, CPU, prefer_average=True, custom=None)
+    ops = ReductionOps.choose(mesh.get_group(0), None, CPU, prefer_average=True, custom=None)
     # fully_shard without a mesh builds one over the default group, on its device.
     default_layouts = [
         {
@@ -119,7 +119,7 @@ def _with_backend(store_dir: str, name: str, backend: str | None) -> dict:
     ]
     return {
         "backend": dist.get_backend(),
-        "plan": plan,
+        "ops": ops,
         "default_mesh_layouts": default_layouts,
         **_train_vs_torch(mesh),
     }
@@ -127,16 +127,16 @@ def _with_backend(store_dir: str, name: str, backend: str | None) -> dict:
 
 def _worker(rank: int, world_size: int, store_dir: str) -> dict:
     group = dist.group.WORLD
-    plans = {
-        "all_to_all_sum": ReductionPlan(use_all_to_all=True, average_in_reduce_scatter=False),
-        "reduce_scatter_sum": ReductionPlan(use_all_to_all=False, average_in_reduce_scatter=False),
-        "reduce_scatter_avg": ReductionPlan(use_all_to_all=False, average_in_reduce_scatter=True),
+    ops_cases = {
+        "all_to_all_sum": ReductionOps(use_all_to_all=True, average_in_reduce_scatter=False),
+        "reduce_scatter_sum": ReductionOps(use_all_to_all=False, average_in_reduce_scatter=False),
+        "reduce_scatter_avg": ReductionOps(use_all_to_all=False, average_in_reduce_scatter=True),
     }
-    scenarios = {name: (lambda plan=plan: _reduce(plan)) for name, plan in plans.items()}
+    scenarios = {name: (lambda ops=ops: _reduce(ops)) for name, ops in ops_cases.items()}
     scenarios |= {
         "all_reduce_sum": lambda: _all_reduce(False),
         "all_reduce_avg": lambda: _all_reduce(True),
-        "gloo_plan": lambda: ReductionPlan.choose(
+        "gloo_ops": lambda: ReductionOps.choose(
             group, group, CPU, prefer_average=True, custom=None
         ),
         # Last: they replace the default group.
@@ -170,8 +170,8 @@ def test_hsdp_all_reduce_sum_and_avg_on_gloo(run, name: str) -> None:
 
 
 def test_gloo_takes_all_to_all_and_no_avg(run) -> None:
-    for plan in scenario_records(run, "gloo_plan"):
-        assert plan == ReductionPlan(
+    for ops in scenario_records(run, "gloo_ops"):
+        assert ops == ReductionOps(
             use_all_to_all=True, average_in_reduce_scatter=False, average_in_all_reduce=False
         )
 
@@ -180,7 +180,7 @@ def test_gloo_takes_all_to_all_and_no_avg(run) -> None:
 def test_backend_string_other_than_gloo_still_picks_gloos_plan(run, name: str, backend: str):
     for rank, rec in enumerate(scenario_records(run, name)):
         assert rec["backend"] == backend, f"rank {rank}: not the backend string under test"
-        assert rec["plan"].use_all_to_all and not rec["plan"].average_in_reduce_scatter
+        assert rec["ops"].use_all_to_all and not rec["ops"].average_in_reduce_scatter
         ours, theirs = rec["default_mesh_layouts"]
         assert ours == theirs, f"rank {rank}: fully_shard(model) without a mesh"
         assert {layout[:2] for layout in ours.values()} == {("cpu", WORLD_SIZE)}

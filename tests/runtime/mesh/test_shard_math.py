@@ -3,14 +3,8 @@
 import pytest
 import torch
 
-from dtensor_fsdp.runtime.tensor_utils import (
-    ShardGeometry,
-    alloc_storage,
-    chunk_rows,
-    free_storage,
-    is_storage_freed,
-    local_rows,
-)
+from dtensor_fsdp.runtime.shard_geometry import ShardGeometry, chunk_rows, local_rows
+from dtensor_fsdp.runtime.storage import alloc_storage, free_storage, is_storage_freed
 
 
 @pytest.mark.parametrize("dim0", [1, 2, 3, 5, 7, 8, 13, 64, 1000])

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import share_comm_ctx as torch_share_comm_ctx
 
 from dtensor_fsdp import CollectiveMismatchError, fully_shard, share_comm_ctx
-from dtensor_fsdp.runtime.comm_description import ReductionPlan
+from dtensor_fsdp.runtime.comm_description import ReductionOps
 from tests._harness import FSDPTestMultiThread
 from tests._mlp import shard_mlp
 from tests._parity import make_optimizer
@@ -59,14 +59,14 @@ class TestThreadedProcessGroup(FSDPTestMultiThread):
                     torch.equal(a.grad.to_local(), b.grad.to_local()), f"{where} grad {name}"
                 )
 
-    def test_plan_is_reduce_scatter_with_sum(self) -> None:
+    def test_opsis_reduce_scatter_with_sum(self) -> None:
         group = init_device_mesh("cpu", (self.world_size,)).get_group(0)
-        plan = ReductionPlan.choose(
+        ops = ReductionOps.choose(
             group, group, torch.device("cpu"), prefer_average=True, custom=None
         )
         self.assertEqual(
-            plan,
-            ReductionPlan(
+            ops,
+            ReductionOps(
                 use_all_to_all=False, average_in_reduce_scatter=False, average_in_all_reduce=False
             ),
         )

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
-from dtensor_fsdp.runtime.comm_description import ReductionPlan, gradient_divisors
+from dtensor_fsdp.runtime.comm_description import ReductionOps, gradient_divisors
 from dtensor_fsdp.runtime.mesh import backend_for, mesh_info_for
 from tests._harness import fake_mesh
 
@@ -45,43 +45,43 @@ def test_avg_on_nccl_only_over_more_than_one_rank(
 ) -> None:
     with fake_mesh(4):
         shard, replicate = _groups(shape)
-        plan = ReductionPlan.choose(shard, replicate, CPU, prefer_average=True, custom=None)
-        assert plan == ReductionPlan(
+        ops = ReductionOps.choose(shard, replicate, CPU, prefer_average=True, custom=None)
+        assert ops == ReductionOps(
             use_all_to_all=False,
             average_in_reduce_scatter=reduce_scatter_avg,
             average_in_all_reduce=all_reduce_avg,
         )
         # A custom divide factor, fp16 or force-sum turn prefer_average off: SUM only.
-        plan = ReductionPlan.choose(shard, replicate, CPU, prefer_average=False, custom=None)
-        assert not plan.average_in_reduce_scatter and not plan.average_in_all_reduce
+        ops = ReductionOps.choose(shard, replicate, CPU, prefer_average=False, custom=None)
+        assert not ops.average_in_reduce_scatter and not ops.average_in_all_reduce
 
 
 def test_backend_that_is_neither_gloo_nor_nccl_gets_reduce_scatter_with_sum() -> None:
     with fake_mesh(4):
         shard, replicate = _groups((2, 2))
-        plan = ReductionPlan.choose(shard, replicate, CPU, prefer_average=True, custom=None)
-    assert plan == ReductionPlan(use_all_to_all=False, average_in_reduce_scatter=False)
+        ops = ReductionOps.choose(shard, replicate, CPU, prefer_average=True, custom=None)
+    assert ops == ReductionOps(use_all_to_all=False, average_in_reduce_scatter=False)
 
 
 @pytest.mark.parametrize(
-    "plan,divisor",
+    "ops,divisor",
     [
-        (ReductionPlan(False, average_in_reduce_scatter=False), 4.0),
-        (ReductionPlan(False, average_in_reduce_scatter=True, average_in_all_reduce=True), 1.0),
+        (ReductionOps(False, average_in_reduce_scatter=False), 4.0),
+        (ReductionOps(False, average_in_reduce_scatter=True, average_in_all_reduce=True), 1.0),
         # Each axis that does not average in its collective is divided for afterwards.
-        (ReductionPlan(False, average_in_reduce_scatter=True), 2.0),
-        (ReductionPlan(False, average_in_reduce_scatter=False, average_in_all_reduce=True), 2.0),
+        (ReductionOps(False, average_in_reduce_scatter=True), 2.0),
+        (ReductionOps(False, average_in_reduce_scatter=False, average_in_all_reduce=True), 2.0),
     ],
 )
 def test_divisor_covers_the_axes_the_collectives_do_not_average(
-    plan: ReductionPlan, divisor: float
+    ops: ReductionOps, divisor: float
 ) -> None:
     with fake_mesh(4):
         # HSDP: 2 replicas x 2 shards
         mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("replicate", "shard"))
         info = mesh_info_for(mesh)
         sizes = (None, info.shard_size, info.replicate_size)
-        assert gradient_divisors(plan, torch.float32, *sizes) == (1.0, divisor)
+        assert gradient_divisors(ops, torch.float32, *sizes) == (1.0, divisor)
         # fp16 splits the divisor around the sum exactly as torch's FSDP2 does.
         pre, post, _, _ = _get_gradient_divide_factors(None, None, torch.float16, factor=divisor)
-        assert gradient_divisors(plan, torch.float16, *sizes) == (pre, post)
+        assert gradient_divisors(ops, torch.float16, *sizes) == (pre, post)

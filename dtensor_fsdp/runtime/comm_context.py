@@ -27,14 +27,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from .observer import CommObserver
 from .profiler_labels import ProfilerLabels
 from .step_guard import StepGuard
 from .streams import CommStreams, StreamRole
 
 
 class Prefetchable(Protocol):
-    """What the scheduler needs of a group: its name, the modules of its
+    """What the CommContext needs of a group: its name, the modules of its
     ``fully_shard`` call (shared by the call's groups) and an async unshard."""
 
     fqn: str
@@ -98,11 +97,6 @@ class CommContext:
         # A backward's grads must land before it returns even when no pre-backward
         # queued the callback above: see [Note: partly run list groups] (state.py).
         self.is_landing_callback_queued = False
-        # The observer FSDPModule.set_divergence_check / set_nonfinite_grad_check
-        # attach to every group of the tree (ranks agree before each collective:
-        # observe/consistency.py); one for the tree, since its sequence numbers count
-        # per process group across groups. None when both checks are off.
-        self.check: CommObserver | None = None
         # One entry per issued reduce-scatter: (finish: wait and land its sharded grads,
         # abandon: wait only, after an exception).
         self._pending_reduce_scatters: deque[tuple[Callable[[], None], Callable[[], None]]] = (
@@ -160,12 +154,7 @@ class CommContext:
 
     def prefetch_forward(self, targets: list[Prefetchable]) -> None:
         """Explicit forward prefetch: issue the targets' all-gathers without waiting."""
-        for target in targets:
-            if target.labels is not None:
-                target.labels.enter_prefetch("forward")
-            target.unshard(async_op=True)
-            if target.labels is not None:
-                target.labels.exit("forward_prefetch")
+        _prefetch(targets, "forward")
 
     # Backward #
 
@@ -180,12 +169,7 @@ class CommContext:
         `_implicit_backward_targets`).
         """
         targets = explicit if explicit is not None else self._implicit_backward_targets(groups)
-        for target in targets:
-            if target.labels is not None:
-                target.labels.enter_prefetch("backward")
-            target.unshard(async_op=True)
-            if target.labels is not None:
-                target.labels.exit("backward_prefetch")
+        _prefetch(targets, "backward")
 
     def _implicit_backward_targets(self, groups: list[Prefetchable]) -> list[Prefetchable]:
         """One group: the group recorded just before the forward whose backward this
@@ -273,3 +257,14 @@ class CommContext:
         self.is_landing_callback_queued = False
         self.release_kept_all_gather()
         self.step_guard.clear()
+
+
+def _prefetch(targets: list[Prefetchable], direction: str) -> None:
+    """Issue the targets' all-gathers without waiting, each under its ``direction``
+    prefetch label while a profiler runs."""
+    for target in targets:
+        if target.labels is not None:
+            target.labels.enter_prefetch(direction)
+        target.unshard(async_op=True)
+        if target.labels is not None:
+            target.labels.exit(f"{direction}_prefetch")

@@ -1,4 +1,4 @@
-"""Shard arithmetic and storage management, shared by param.py and param_group.py.
+"""Shard geometry: how a tensor splits over the ranks, and a local shard as a DTensor.
 
 Sharding follows ``torch.chunk`` along dim 0, which is what DTensor's ``Shard(0)`` means
 for an uneven dim: every rank's chunk has ``ceil(dim0 / W)`` rows except the trailing
@@ -98,25 +98,3 @@ def wrap_local(
     accelerator, a device copy of a host shard, optimizer state or norm."""
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
     return DTensor(local, spec, requires_grad=False)
-
-
-def free_storage(tensor: torch.Tensor) -> None:
-    """Release the memory behind ``tensor`` but keep the tensor object (and its views).
-
-    Autograd may have saved ``tensor`` for backward; keeping the object and only
-    resizing its storage lets the backward all-gather refill the same storage.
-    """
-    storage = tensor.untyped_storage()
-    if storage.nbytes() != 0:
-        storage.resize_(0)
-
-
-def alloc_storage(tensor: torch.Tensor, nbytes: int) -> None:
-    """Give ``tensor``'s (freed) storage ``nbytes`` again; contents are uninitialized."""
-    storage = tensor.untyped_storage()
-    if storage.nbytes() != nbytes:
-        storage.resize_(nbytes)
-
-
-def is_storage_freed(tensor: torch.Tensor) -> bool:
-    return tensor.untyped_storage().size() == 0
