@@ -28,8 +28,11 @@ TESTS = Path(__file__).parent
 # ("file.py::test"). The fast tier keeps the in-process tests and one 2-rank gloo
 # parity file per behaviour, the list of docs/testing.md: test_training (2 ranks),
 # comm/test_comm, test_mixed_precision, test_accumulation, io/test_state_dict (one
-# world size), observe/test_checks, optim/test_optim_local_shards_gloo (2 ranks) and
-# graph/test_graph_numerics on aot_eager. Every other test that starts processes is here.
+# world size), observe/test_checks, optim/test_optim_local_shards_gloo (2 ranks),
+# graph/test_graph_numerics on aot_eager, post_training/test_stream_weights, and the
+# gradient-level comparisons with torch of runtime/scenarios that guard the lifecycle
+# (list groups, autograd, comm, frozen, mixed precision, registration). Every other test
+# that starts processes is here.
 FULL_PATHS = (
     # Fresh interpreters (subprocess) and the GPU check's own ranks.
     "api/test_default_process_group.py",
@@ -45,8 +48,12 @@ FULL_PATHS = (
     "comm_precision/test_comm_precision.py",
     "comm_precision/test_comm_precision_checkpoint.py",
     "comm_precision/test_comm_precision_combos.py",
+    "graph/test_conformance.py",  # 4 ranks
+    "graph/test_graph_features.py",
     "graph/test_graph_numerics.py::test_inductor_is_as_close_to_eager_as_the_plain_model",
     "graph/test_graph_numerics.py::test_hsdp_and_tensor_parallel_train_bitwise_like_eager",
+    "graph/test_graph_pipeline.py",
+    "graph/test_graph_structure.py",
     "init/test_meta_init.py",
     "init/test_meta_init_bounded.py",
     "init/test_meta_load_assign.py",
@@ -61,6 +68,10 @@ FULL_PATHS = (
     "plan/test_auto_shard_gloo.py",
     "plan/test_plan_gloo.py",
     "plan/test_plan_gloo_reduce_scatter.py",
+    "post_training/test_engine_broadcast.py",  # 3 ranks
+    "post_training/test_generate.py",
+    "post_training/test_offload_states.py",
+    "post_training/test_stream_lora.py",
     "runtime/comm/test_backends.py",
     "runtime/comm/test_comm_settings.py",
     "runtime/comm/test_list_group_prefetch.py",
@@ -70,7 +81,10 @@ FULL_PATHS = (
     "runtime/mesh/test_spmd.py",
     "runtime/mesh/test_tp.py",
     "runtime/scenarios/test_scenarios_2d.py",
+    "runtime/scenarios/test_scenarios_compose.py",
+    "runtime/scenarios/test_scenarios_init.py",
     "runtime/scenarios/test_scenarios_module_api.py",
+    "runtime/scenarios/test_scenarios_state_dict.py",
     "runtime/scenarios/test_scenarios_training.py",
     "runtime/streams/test_deferred_streams.py",
     "runtime/streams/test_streams.py",
