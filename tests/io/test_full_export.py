@@ -34,7 +34,6 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from dtensor_fsdp import fully_shard, save_full_state_dict
 from tests._harness import run_distributed, run_scenarios, scenario_records
-from tests._pool import GlooPools
 from tests.integrations.test_hf_models import _build, _shard
 from tests.io.test_full_state_dict_file import same_bits
 
@@ -129,11 +128,12 @@ def _worker(rank: int, world_size: int, directory: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> list[dict]:
+def run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     directory = str(tmp_path_factory.mktemp("full_export"))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))  # read at process start
-        return run_distributed(_worker, WORLD_SIZE, directory, pool=gloo_pool)
+        # Read at process start: these ranks are spawned for this file, not the pool's.
+        patch.setenv("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+        return run_distributed(_worker, WORLD_SIZE, directory)
 
 
 def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
