@@ -1,6 +1,7 @@
 """State dicts and distributed checkpoints of ``fully_shard``-ed models on gloo ranks.
 
 Model state dicts (one 2-rank spawn): sharded keys and placements with no collective,
+the values and the next backward after a forward that left groups unsharded (as torch's),
 an exact save -> load round trip, a plain full state dict from an unsharded model,
 torch's ``get_state_dict``/``set_state_dict`` with ``full_state_dict=True,
 cpu_offload=True``, the streamed safetensors export, and bad input rejected whole.
@@ -30,12 +31,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from dtensor_fsdp import fully_shard, load_full_state_dict, save_full_state_dict
 from dtensor_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from dtensor_fsdp.models.llama import Llama, LlamaConfig, apply_tensor_parallel, cross_entropy_loss
+from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import full, full_state, mean_over_world
 from tests._pool import GlooPools
@@ -143,6 +146,49 @@ def _scenario_sharded_keys() -> dict:
         "placements": {k: tuple(v.placements) for k, v in sd.items() if isinstance(v, DTensor)},
         "plain": sorted(k for k, v in sd.items() if not isinstance(v, DTensor)),
         "comm_count": comm.get_total_counts(),
+    }
+
+
+def _scenario_after_forward() -> dict:
+    """``state_dict()`` while parameters are unsharded: after a forward whose groups keep
+    them (``reshard_after_forward=False``, no backward yet) and after a ``no_grad``
+    forward (the root keeps its own). torch's FSDP2 reshards in a state-dict pre-hook
+    (``to_sharded_hook``), so the values are the sharded DTensors and the next backward
+    gathers again; ours must do the same (values, then the backward's collectives and
+    gradients)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    tokens = _tokens(0)
+    records = {}
+    for name, shard in (("ours", fully_shard), ("torch", torch_fully_shard)):
+        model = _build()
+        for block in model.layers:
+            shard(block, mesh=mesh, reshard_after_forward=False)
+        shard(model, mesh=mesh, reshard_after_forward=False)
+        loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        after_grad_forward = _sharded_values(model.state_dict())
+        with C10dRecorder() as backward:
+            loss.backward()
+        grads = {k: full(p.grad) for k, p in model.named_parameters()}
+        with torch.no_grad():
+            model(tokens[:, :-1])
+        after_no_grad = _sharded_values(model.state_dict())
+        records[name] = {
+            "values": (after_grad_forward, after_no_grad),
+            "backward": backward.records,
+            "grads": grads,
+        }
+    return records
+
+
+def _sharded_values(sd: dict) -> dict:
+    """Each value's type, placements and local tensor, as a user of the state dict sees it."""
+    return {
+        k: (
+            type(v).__name__,
+            tuple(getattr(v, "placements", ())),
+            full(v) if isinstance(v, DTensor) else v,
+        )
+        for k, v in sd.items()
     }
 
 
@@ -265,9 +311,11 @@ def _scenario_export_fails_on_rank0(tmp: str) -> dict:
             out[name] = str(exc)
         finally:
             state_dict_module.write_tensor = real_write
-        out[name + "_left"] = sorted(os.listdir(os.path.dirname(path))) if os.path.isdir(
-            os.path.dirname(path)
-        ) else []
+        out[name + "_left"] = (
+            sorted(os.listdir(os.path.dirname(path)))
+            if os.path.isdir(os.path.dirname(path))
+            else []
+        )
     return out
 
 
@@ -349,6 +397,7 @@ def _state_dict_worker(rank: int, world_size: int, tmp: str) -> dict:
         {
             "sharded_keys": _scenario_sharded_keys,
             "round_trip": _scenario_round_trip,
+            "after_forward": _scenario_after_forward,
             "plain_full": _scenario_plain_full,
             "full_options": _scenario_full_options,
             "export": lambda: _scenario_export(os.path.join(tmp, "export", "model.safetensors")),
@@ -445,6 +494,26 @@ def test_state_dict_is_sharded_without_communication(state_dict_run: list[dict])
         assert rec["comm_count"] == 0
 
 
+def test_state_dict_after_forward_is_sharded_as_torchs(state_dict_run: list[dict]) -> None:
+    """The state-dict pre-hook reshards (torch's ``to_sharded_hook``): taken after a
+    forward that left groups unsharded, the values are the sharded DTensors, equal to
+    torch's in type, placements and bits, and the backward gathers again as torch's."""
+    for rank, rec in enumerate(scenario_records(state_dict_run, "after_forward")):
+        ours, theirs = rec["ours"], rec["torch"]
+        for when, mine, reference in zip(("grad", "no_grad"), ours["values"], theirs["values"]):
+            assert mine.keys() == reference.keys(), (rank, when)
+            for key, (kind, placements, value) in mine.items():
+                assert (kind, placements) == reference[key][:2], (rank, when, key)
+                assert kind == "DTensor" and placements == (Shard(0),), (rank, when, key)
+                assert torch.equal(value, reference[key][2]), f"rank {rank} {when}: {key}"
+        # All-gathers only: on gloo ours reduces by all-to-all where torch reduce-scatters.
+        gathers = [[r for r in run["backward"] if r[0] == "all_gather"] for run in (ours, theirs)]
+        assert gathers[0] and gathers[0] == gathers[1], (rank, gathers)
+        _assert_exact(
+            {k: (g, theirs["grads"][k]) for k, g in ours["grads"].items()}, f"rank {rank}"
+        )
+
+
 def test_state_dict_round_trip_is_exact(state_dict_run: list[dict]) -> None:
     for rec in scenario_records(state_dict_run, "round_trip"):
         _assert_exact(rec["pairs"], "round trip")
@@ -485,7 +554,9 @@ def test_save_full_state_dict_unsupported_dtype_writes_nothing(state_dict_run: l
         assert rec["exists"] == [False, False]
 
 
-def test_save_full_state_dict_failure_on_rank0_raises_on_every_rank(state_dict_run: list[dict]) -> None:
+def test_save_full_state_dict_failure_on_rank0_raises_on_every_rank(
+    state_dict_run: list[dict],
+) -> None:
     for rank, rec in enumerate(scenario_records(state_dict_run, "export_fails_on_rank0")):
         for name, kind in (
             ("missing_dir", "FileNotFoundError"),
