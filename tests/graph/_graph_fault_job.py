@@ -1,6 +1,7 @@
 """A rank that diverges or dies inside a compiled graph-mode step, under ``torchrun``,
-for ``test_graph_watchdog.py``. dtensor_fsdp's defaults: the collective watchdog on
-(60 s deadline), gloo's default timeout; graph mode with the ``aot_eager`` backend.
+for ``test_graph_watchdog.py``. dtensor_fsdp's defaults (the collective watchdog on,
+gloo's default timeout) but the watchdog's deadline, ``--deadline`` (60 s by default, as
+the library's); graph mode with the ``aot_eager`` backend.
 
 The model is ``tests/observe/_divergence_job.py``'s (blocks of different sizes, each
 and the root sharded). One agreeing step, then on rank 1:
@@ -26,9 +27,10 @@ import dtensor_fsdp
 from tests.observe._divergence_job import DIM, build
 
 
-def run(scenario: str, rank: int) -> dict:
+def run(scenario: str, rank: int, deadline_s: float) -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = build("ours_graph", [24, 32, 40], mesh)
+    model.set_collective_watchdog(deadline=deadline_s)
     dtensor_fsdp.compile(model, backend="aot_eager")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     start = 0.0
@@ -55,10 +57,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--scenario", choices=("skip_block", "dies"), required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--deadline", type=float, default=60.0, help="the watchdog's, s")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = run(args.scenario, rank)
+    result = run(args.scenario, rank, args.deadline)
     with open(f"{args.out}.rank{rank}.json", "w") as file:
         json.dump(result, file)
     print(f"rank {rank} {args.scenario}: {result}", flush=True)
