@@ -15,7 +15,8 @@ What a run finds is what a fresh spawn would give it:
 - the process state a spawn starts with, restored before each run (`_ProcessState`:
   RNG states, default dtype, grad and anomaly modes, deterministic algorithms, fp32
   matmul precision, thread count, environment, working directory, ``sys.path``,
-  warning filters and their "once" registries, dynamo's caches and counters);
+  warning filters and their "once" registries, dynamo's caches and counters, DTensor's
+  sharding-propagation and redistribution caches, which hold previous runs' meshes);
 - no leftovers of a failed run: after an error or a timeout the workers are killed and
   the next run spawns a fresh pair, and a worker that finds Python threads or a
   process group still alive after a run it passed (a watchdog, an async checkpoint
@@ -254,3 +255,21 @@ class _ProcessState:
         warnings._filters_mutated()
         if "torch._dynamo" in sys.modules:
             torch._dynamo.reset()
+        if "torch.distributed.tensor" in sys.modules:
+            _forget_dtensor_caches()
+
+
+def _forget_dtensor_caches() -> None:
+    """Empty DTensor's sharding-propagation and redistribution caches. Their entries
+    hold the meshes of the run that filled them, and a mesh finds its process groups
+    by name; ``destroy_process_group()`` restarts the names, so the next run's equal
+    mesh would be handed a previous run's, whose groups no longer exist ("Could not
+    resolve the process group registered under the name 8"), or exist under that name
+    as another group."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch's own
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()

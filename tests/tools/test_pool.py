@@ -82,6 +82,19 @@ def _sleeps(rank: int, world_size: int) -> None:
     time.sleep(60)
 
 
+def _gathered_on_a_mesh(rank: int, world_size: int, groups_before: int) -> list[float]:
+    """A DTensor op on a mesh of a new group made after ``groups_before`` others (its
+    name depends on what the run made before it), then a gather over that group."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for _ in range(groups_before):
+        dist.new_group(list(range(world_size)))
+    mesh = DeviceMesh.from_group(dist.new_group(list(range(world_size))), "cpu")
+    x = distribute_tensor(torch.arange(2.0 * world_size), mesh, [Shard(0)])
+    return (x + 1).full_tensor().tolist()  # the sum's spec comes from sharding propagation
+
+
 def _pids(records: list[Any]) -> set[int]:
     return {r["pid"] if isinstance(r, dict) else r for r in records}
 
@@ -97,6 +110,15 @@ def test_a_run_finds_the_state_the_last_run_found_whatever_it_left(
     assert after == before
     assert [r["groups"] for r in after] == [1] * world_size
     assert [r["sum"] for r in after] == [world_size * (world_size + 1) / 2] * world_size
+
+
+def test_a_run_finds_no_mesh_of_a_previous_run(gloo_pool: GlooPools) -> None:
+    """DeviceMesh equality ignores its groups' names, which restart with every process
+    group: DTensor's caches would hand this run's op the previous run's mesh, whose
+    groups are gone ("Could not resolve the process group registered under the name")."""
+    expected = [[1.0, 2.0, 3.0, 4.0]] * 2
+    assert gloo_pool.run(_gathered_on_a_mesh, 2, 3) == expected
+    assert gloo_pool.run(_gathered_on_a_mesh, 2, 0) == expected
 
 
 @pytest.mark.full

@@ -194,11 +194,8 @@ def run(gloo_pool: GlooPools) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def hsdp_run() -> list[dict]:
-    # Its own spawn, not the pool: after the (dp, tp) run, torch's DTensor caches hand
-    # this run's meshes the pool's previous, destroyed process groups ("Could not
-    # resolve the process group registered under the name 4").
-    return run_distributed(_hsdp_worker, WORLD_SIZE, timeout=180)
+def hsdp_run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_hsdp_worker, WORLD_SIZE, timeout=180, pool=gloo_pool)
 
 
 COLWISE = (_StridedShard(0, split_factor=TP), Shard(0))  # FSDP chunks TP's row chunk
