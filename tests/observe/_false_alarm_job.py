@@ -12,10 +12,11 @@ final parameters, so that the test can ask for torch's result and no error.
   sized at start for at least ``--hold-s`` seconds) while rank 1 waits in the next
   forward's all-gather; ours runs with ``--deadline`` (the watchdog compares, and rank
   0's watchdog thread cannot answer until the call returns).
-- ``late_waits``: rank 0 starts every step 0-3 ms late, so that rank 1's first wait
-  outlasts a 1 ms slice of the bounded wait most steps (ours: the slice set to 1 ms,
-  a test-only knob); ours until ``--until-stalls`` waits outlasted it, torch's as many
-  steps.
+- ``late_waits``: rank 0 starts every step, and every block's forward, 0-3 ms late,
+  so that rank 1's next wait outlasts a 1 ms slice of the bounded wait two times in
+  three (ours: the slice set to 1 ms, a test-only knob); ours until ``--until-stalls``
+  waits outlasted it, torch's as many steps. (Late per block, not only per step: each
+  step then gives about 5 such waits instead of 2, so the 10,000 take half the time.)
 
 Each rank writes ``--out``.rank{r}.json: per scenario, the exception it raised (type,
 message, or None), the FSDP warnings it issued, the losses, the digest, and for ours
@@ -157,7 +158,14 @@ def late_waits(impl: str, mesh, rank: int, args) -> dict:
     # wait added its key), and at the end.
     resources = []
 
+    def late_block(module: nn.Module, args: tuple) -> None:
+        time.sleep(late.uniform(0.0, 0.003))
+
     def before_step(model: nn.Module, step: int) -> bool:
+        if step == 0 and rank == 0:  # the model is built: rank 0 late at each block too
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    layer.register_forward_pre_hook(late_block)
         if impl == "ours" and step == 1:  # the root's recorder exists after step 0
             model._get_fsdp_state().watchdog.slice = LATE_SLICE
         if step == 200:

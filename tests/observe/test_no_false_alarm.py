@@ -9,9 +9,9 @@ raise nothing.
   deadlines) in one C call between its backward and its optimizer step, so that its
   watchdog thread cannot answer rank 1's comparisons (the watchdog once declared it
   dead): warnings at most.
-- ``late_waits``: rank 0 starts every step 0-3 ms late and ours waits in 1 ms slices
-  until 10,000 waits outlasted their slice (a collective that completed right after a
-  slice ran out once read as failed).
+- ``late_waits``: rank 0 starts every step and every block's forward 0-3 ms late and
+  ours waits in 1 ms slices until 10,000 waits outlasted their slice (a collective that
+  completed right after a slice ran out once read as failed).
 
 A divergence and a rank gloo killed still end in a named error within the deadline:
 test_watchdog.py.
