@@ -40,6 +40,7 @@ from dtensor_fsdp import fully_shard, register_fsdp_forward_method
 from dtensor_fsdp.optim import step_on_local_shards
 from tests._c10d import C10dRecorder, count_of
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 from tests.integrations.test_hf_models import _build, _shard
 
 pytestmark = pytest.mark.skipif(
@@ -196,13 +197,13 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def generate_run() -> list[dict]:
-    return run_distributed(_generate_worker, WORLD_SIZE, timeout=120)
+def generate_run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_generate_worker, WORLD_SIZE, timeout=120, pool=gloo_pool)
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=240)
+def run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=240, pool=gloo_pool)
 
 
 def test_generate_returns_on_every_rank_when_ranks_end_apart(generate_run):

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_fsdp import fully_shard
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import assert_pairs_equal, local_pairs, local_trainable_grad_pairs
+from tests._pool import GlooPools
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("peft") is None,
@@ -154,8 +155,8 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=240)
+def run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=240, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

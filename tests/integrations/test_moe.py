@@ -59,6 +59,7 @@ from tests._parity import (
     assert_pairs_equal,
     make_optimizer,
 )
+from tests._pool import GlooPools
 from tests.integrations._moe import Decoder, MoEConfig, apply_expert_parallel, build, loss_sum
 from tests.integrations._titan_fsdp import Impl, apply_fsdp_to_decoder, titan_meshes
 
@@ -245,8 +246,8 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=300)
+def run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=300, pool=gloo_pool)
 
 
 def _assert_matches_single_process(sharded: dict, single: dict, where: str) -> None:

@@ -42,6 +42,7 @@ from dtensor_fsdp.pipelining import PipelineStage, register_fsdp_actions
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import local_pairs
+from tests._pool import GlooPools
 
 PP, DP = 2, 2
 MICROBATCHES = 4
@@ -323,8 +324,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, Any]]:
-    return run_distributed(_run, PP * DP, timeout=300)
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, PP * DP, timeout=300, pool=gloo_pool)
 
 
 @pytest.mark.parametrize(("schedule", "reshard"), CASES)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import train
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import ATOL, RTOL, adamw_param_atol
+from tests._pool import GlooPools
 
 FLAGS = [
     "--dim", "32", "--n-layers", "4", "--n-heads", "4", "--n-kv-heads", "2",
@@ -46,8 +47,9 @@ def _worker(rank: int, world_size: int, directory: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> list:
-    return run_distributed(_worker, 4, str(tmp_path_factory.mktemp("pp")), timeout=300)
+def run(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> list:
+    tmp = str(tmp_path_factory.mktemp("pp"))
+    return run_distributed(_worker, 4, tmp, timeout=300, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("schedule", PP_SCHEDULES)

@@ -20,6 +20,7 @@ from dtensor_fsdp import CollectiveMismatchError, NonFiniteGradError, fully_shar
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import assert_pairs_equal, local_pairs
+from tests._pool import GlooPools
 from tests.observe._divergence_job import DIM, Net
 
 WORLD_SIZE = 2
@@ -126,8 +127,8 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=120)
+def run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=120, pool=gloo_pool)
 
 
 def test_checked_training_is_torchs_plus_one_check_per_collective(run) -> None:

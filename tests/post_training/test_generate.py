@@ -31,6 +31,7 @@ from dtensor_fsdp import FSDPModule, fully_shard
 from dtensor_fsdp.post_training import keep_unsharded
 from tests._c10d import C10dRecorder, count_of
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
@@ -168,8 +169,8 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=300)
+def run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=300, pool=gloo_pool)
 
 
 def test_all_gathers_per_generate(run: list[dict]) -> None:

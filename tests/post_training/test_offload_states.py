@@ -36,6 +36,7 @@ from dtensor_fsdp.post_training import offload_states, reload_states
 from tests import _standin_device as standin
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 STEPS = 4
@@ -223,8 +224,8 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=300)
+def run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=300, pool=gloo_pool)
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from dtensor_fsdp import fully_shard
 from dtensor_fsdp.post_training import stream_weights
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 from tests.integrations.test_hf_models import _build, _shard, _tokens
 from tests.post_training._weights import collect, differing, full_state_dict, mapped, train_hf
 
@@ -84,8 +85,8 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=300)
+def run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=300, pool=gloo_pool)
 
 
 def test_merged_weights_equal_peft_merge(run: list[dict]) -> None:

@@ -48,6 +48,7 @@ from dtensor_fsdp.post_training import (
 )
 from tests._c10d import C10dRecorder, bytes_of
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 from tests.integrations._moe import MoEConfig, apply_expert_parallel
 from tests.integrations._moe import build as build_moe
 from tests.integrations._titan_fsdp import apply_fsdp_to_decoder, titan_meshes
@@ -280,8 +281,8 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=300)
+def run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=300, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "after_step"])

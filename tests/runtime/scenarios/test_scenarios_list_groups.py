@@ -47,6 +47,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from dtensor_fsdp import MixedPrecisionPolicy, fully_shard
 from tests._c10d import C10dRecorder
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 DIM, VOCAB, CHUNKS, ITERS = 32, 128, 4, 2
@@ -276,8 +277,8 @@ def _run(rank: int, world_size: int) -> dict[str, tuple[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, tuple[str, Any]]]:
-    return run_distributed(_run, WORLD_SIZE, timeout=300.0)
+def run(gloo_pool: GlooPools) -> list[dict[str, tuple[str, Any]]]:
+    return run_distributed(_run, WORLD_SIZE, timeout=300.0, pool=gloo_pool)
 
 
 def _both(run: list, name: str) -> list[tuple[Any, Any]]:
