@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import dtensor_fsdp
 from dtensor_fsdp.integrations import use_dtensor_fsdp
 from tests._harness import fake_mesh, run_distributed
+from tests._pool import GlooPools
 
 _FORWARD_STATES = (
     "Before Pre-Forward",
@@ -196,8 +197,8 @@ def _backward_peak(modules: dict) -> int:
 
 
 @pytest.fixture(scope="module")
-def gloo_run() -> list:
-    return run_distributed(_gloo_steps, 2, timeout=300)
+def gloo_run(gloo_pool: GlooPools) -> list:
+    return run_distributed(_gloo_steps, 2, timeout=300, pool=gloo_pool)
 
 
 def test_gloo_training_goes_on_after_the_tracker(gloo_run):

@@ -57,6 +57,7 @@ import dtensor_fsdp
 from dtensor_fsdp.models.llama import Llama, LlamaConfig, apply_tensor_parallel, cross_entropy_loss
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import assert_pairs_equal, make_optimizer
+from tests._pool import GlooPools
 
 pytestmark = pytest.mark.skipif(
     not hasattr(DeviceMesh, "_unflatten"), reason="torchtitan's meshes need DeviceMesh._unflatten"
@@ -267,18 +268,20 @@ def _worker(rank: int, world_size: int, tp: int, directory: str) -> dict:
 
 
 # ---------------------------------------------------------------------------
-# Parent side: one spawn per (world size, tp)
+# Parent side: one run per (world size, tp), on the session's pool
 # ---------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def w2_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_distributed(_worker, 2, 1, str(tmp_path_factory.mktemp("titan_w2")), timeout=300)
+def w2_run(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> list[dict]:
+    tmp = str(tmp_path_factory.mktemp("titan_w2"))
+    return run_distributed(_worker, 2, 1, tmp, timeout=300, pool=gloo_pool)
 
 
 @pytest.fixture(scope="module")
-def tp_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_distributed(_worker, 4, 2, str(tmp_path_factory.mktemp("titan_tp")), timeout=300)
+def tp_run(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> list[dict]:
+    tmp = str(tmp_path_factory.mktemp("titan_tp"))
+    return run_distributed(_worker, 4, 2, tmp, timeout=300, pool=gloo_pool)
 
 
 @pytest.fixture(params=["fsdp-w2", "fsdp-tp-w4"])

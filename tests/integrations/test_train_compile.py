@@ -35,6 +35,7 @@ import train
 from dtensor_fsdp.models.llama import Llama
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._parity import full
+from tests._pool import GlooPools
 
 FLAGS = [
     "--dim", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
@@ -104,9 +105,10 @@ def _worker(rank: int, world_size: int, directory: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> list:
+def run(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> list:
     # A first inductor compile takes tens of seconds on two loaded cores.
-    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("compile")), timeout=600)
+    tmp = str(tmp_path_factory.mktemp("compile"))
+    return run_distributed(_worker, 2, tmp, timeout=600, pool=gloo_pool)
 
 
 @pytest.mark.parametrize("label", ["plain", "ac"])

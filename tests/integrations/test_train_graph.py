@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 
 import train
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 
 FLAGS = [
     "--dim", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
@@ -50,8 +51,9 @@ def _worker(rank: int, world_size: int, directory: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> list:
-    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("graph")), timeout=300)
+def run(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> list:
+    tmp = str(tmp_path_factory.mktemp("graph"))
+    return run_distributed(_worker, 2, tmp, timeout=300, pool=gloo_pool)
 
 
 def test_graph_aot_eager_trains_bitwise_as_eager(run) -> None:
