@@ -30,10 +30,15 @@ def _auto(budget_bytes: int, world_size: int = 2, **settings) -> AutoPlan:
     )
 
 
+# The same search again gives the same AutoPlan (fake tensors, the same settings): tests
+# that only read one share it. Not for a test that patches the search or expects an error.
+_auto_once = functools.cache(_auto)
+
+
 @pytest.fixture(scope="module")
 def roomy() -> AutoPlan:
     """A budget large enough to keep every group unsharded."""
-    return _auto(2**30)
+    return _auto_once(2**30)
 
 
 @pytest.fixture(scope="module")
@@ -145,9 +150,9 @@ def test_apply_to_another_model_names_the_module(roomy: AutoPlan) -> None:
 def test_predicted_collectives_are_the_simulated_ones(replicate: int) -> None:
     """The count the choice breaks ties on, against the verifying simulation's
     (HSDP: each group's all-reduce too)."""
-    finest = _auto(2**30, world_size=4, replicate=replicate).baseline
+    finest = _auto_once(2**30, world_size=4, replicate=replicate).baseline
     for budget in (2**30, int(1.1 * finest.peak_bytes)):
-        auto = _auto(budget, world_size=4, replicate=replicate)
+        auto = _auto_once(budget, world_size=4, replicate=replicate)
         blocks = [f"blocks.{i}" for i in range(N_BLOCKS)]
         predictor = Predictor(auto.baseline, blocks, 400.0, 50e-6, "nccl")
         assert predictor.collectives(auto.groups) == _total(auto.plan)
@@ -206,12 +211,14 @@ def test_frozen_blocks(frozen: tuple[int, ...]) -> None:
         assert ("reduce_scatter" not in group.collectives) == frozen_group, group.fqn
 
 
-def test_a_short_prediction_is_chosen_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_short_prediction_is_chosen_again(
+    monkeypatch: pytest.MonkeyPatch, finest_peak: int
+) -> None:
     """With the merged groups' extra copies left out, the first choice (one group of 8)
     is simulated over the budget: the search chooses again with the budget lowered by
     the prediction's error, here down to one group per block, fully resharded (the
     baseline, already simulated), and what it returns fits."""
-    finest = _auto(2**30).baseline.peak_bytes
+    finest = finest_peak  # roomy's baseline: the patch changes predictions, not simulations
     monkeypatch.setitem(candidates.MERGE_COPIES, "nccl", 0)
     auto = _auto(int(1.1 * finest))
     retry = next(line for line in auto.explanations if "exceeds the budget" in line)

@@ -41,6 +41,9 @@ def _peak_where(hash_seed: int) -> str:
 
 def test_peak_module_is_the_same_for_every_hash_seed() -> None:
     # Before the fix seeds 0 and 11 gave layers.1, 5 and 8 layers.0 (checked on torch
-    # 2.13). Now: the last entered of the tied blocks, layers.0, whose backward began.
-    seeds = (0, 5, 8, 11)
+    # 2.13; of seeds 0-11, 0-4, 6, 7 and 11 gave layers.1). One seed of each answer is
+    # what it takes to see the dependence: each costs an interpreter, torch's import and
+    # a plan, about 5 s of CPU. Now: the last entered of the tied blocks, layers.0, whose
+    # backward began.
+    seeds = (0, 5)
     assert {seed: _peak_where(seed) for seed in seeds} == dict.fromkeys(seeds, "layers.0|backward")

@@ -3,6 +3,7 @@ short ones equals simulating it whole, bad input fails early and clearly, the fa
 group never outlives the call, and the CLI runs."""
 
 import dataclasses
+import functools
 import inspect
 import json
 import subprocess
@@ -41,10 +42,17 @@ def _plan(world_size: int = 4, n_layers: int = 2, **settings) -> Plan:
     )
 
 
+@functools.cache
+def _plan_once(world_size: int = 4, n_layers: int = 2) -> Plan:
+    """``_plan`` with the default settings, simulated once per shape for the tests that
+    only read it (a plan is deterministic); not for a test that expects an error."""
+    return _plan(world_size=world_size, n_layers=n_layers)
+
+
 @pytest.fixture(scope="module", params=[4, 3], ids=["W4", "W3_padded"])
 def adamw_plan(request: pytest.FixtureRequest) -> Plan:
     """W=4 divides every dim 0 of the tiny Llama; W=3 pads every shard."""
-    return _plan(world_size=request.param)
+    return _plan_once(world_size=request.param)
 
 
 def test_breakdown_adds_up_to_peak(adamw_plan: Plan) -> None:
@@ -96,7 +104,7 @@ def test_frozen_params_are_gathered_not_reduced(frozen: tuple[str, ...]) -> None
     prefetch of layers.1's backward), reduce-scatters only those with a gradient, and
     not at all when it has none; no gradient or optimizer state for frozen params."""
     full, tuned = (
-        _plan(),
+        _plan_once(),
         plan(
             frozen_tiny_llama(*frozen),
             world_size=4,
@@ -176,7 +184,7 @@ def test_math_attention_kernel_adds_the_attention_weights(adamw_plan: Plan) -> N
 
 def test_compose_equals_whole_simulation() -> None:
     whole = _plan(n_layers=6)
-    composed = compose(_plan(n_layers=3), _plan(n_layers=4), 6)
+    composed = compose(_plan_once(n_layers=3), _plan_once(n_layers=4), 6)
     for field in (
         "peak_bytes",
         "peak_breakdown",
@@ -319,6 +327,6 @@ def test_unknown_setting_is_a_type_error_naming_it(adamw_plan: Plan, entry: str)
 
 
 def test_replan_of_a_composed_plan_is_refused() -> None:
-    composed = compose(_plan(n_layers=3), _plan(n_layers=4), 6)
+    composed = compose(_plan_once(n_layers=3), _plan_once(n_layers=4), 6)
     with pytest.raises(ValueError, match="a composed plan has none"):
         replan(composed, optimizer="sgd")

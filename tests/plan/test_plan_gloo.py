@@ -18,6 +18,7 @@ without one it is MemTracker unchanged).
 """
 
 import contextlib
+import functools
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -166,6 +167,9 @@ def runs(gloo_pool: GlooPools) -> dict[int, list]:
     return {world: run_distributed(_run, world, pool=gloo_pool) for world in (2, 4)}
 
 
+# Once per scenario and backend: the NCCL plan of an ON_TORCH scenario serves both tests
+# (a plan is deterministic: fake tensors, the same settings).
+@functools.cache
 def _plan(name: str, backend: str = "nccl"):
     world, settings = SCENARIOS[name]
     return plan(
