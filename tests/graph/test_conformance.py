@@ -32,6 +32,7 @@ from dtensor_fsdp import (
     fully_shard,
 )
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 
 WORLD_SIZE = 4
 FP32 = torch.float32
@@ -213,8 +214,8 @@ def _scenarios(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict]:
-    return run_distributed(_scenarios, WORLD_SIZE, timeout=1500)
+def run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_scenarios, WORLD_SIZE, timeout=1500, pool=gloo_pool)
 
 
 def _assert_equal(a: Any, b: Any, where: str) -> None:

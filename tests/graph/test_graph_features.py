@@ -40,6 +40,7 @@ from dtensor_fsdp import (
 )
 from dtensor_fsdp.models.llama import Llama, cross_entropy_loss
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 from tests._tiny_llama import uneven_config
 
 STEPS = 3
@@ -338,13 +339,13 @@ FOUR_RANKS = ("hsdp_quantized_replicate_leg", "hsdp_all_reduce_on_the_last_micro
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
-    return run_distributed(_two_ranks, 2, timeout=1800)
+def two_ranks(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_two_ranks, 2, timeout=1800, pool=gloo_pool)
 
 
 @pytest.fixture(scope="module")
-def four_ranks() -> list[dict]:
-    return run_distributed(_four_ranks, 4, timeout=1800)
+def four_ranks(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_four_ranks, 4, timeout=1800, pool=gloo_pool)
 
 
 def _assert_bitwise(records: list[dict]) -> None:

@@ -22,6 +22,7 @@ import dtensor_fsdp
 from dtensor_fsdp import fully_shard
 from dtensor_fsdp.pipelining import PipelineStage, register_fsdp_actions
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 from tests.integrations.test_pipeline import (
     BATCH,
     DIM,
@@ -91,8 +92,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def run() -> list[dict[str, Any]]:
-    return run_distributed(_run, PP * DP, timeout=900)
+def run(gloo_pool: GlooPools) -> list[dict[str, Any]]:
+    return run_distributed(_run, PP * DP, timeout=900, pool=gloo_pool)
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from dtensor_fsdp.models.llama import Llama, apply_tensor_parallel
 from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._pool import GlooPools
 from tests._parity import assert_pairs_equal, make_optimizer
 from tests.integrations.test_titan_recipe import (
     CONFIG,
@@ -196,13 +197,13 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def w2_run() -> list[dict]:
-    return run_distributed(_worker, 2, timeout=400)
+def w2_run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, 2, timeout=400, pool=gloo_pool)
 
 
 @pytest.fixture(scope="module")
-def w4_run() -> list[dict]:
-    return run_distributed(_worker, 4, timeout=400)
+def w4_run(gloo_pool: GlooPools) -> list[dict]:
+    return run_distributed(_worker, 4, timeout=400, pool=gloo_pool)
 
 
 def _assert_same_as_torch(rec: dict[str, Run], where: str) -> None:
