@@ -20,7 +20,8 @@ What a run finds is what a fresh spawn would give it:
 - no leftovers of a failed run: after an error or a timeout the workers are killed and
   the next run spawns a fresh pair, and a worker that finds Python threads or a
   process group still alive after a run it passed (a watchdog, an async checkpoint
-  writer) retires itself the same way.
+  writer), or a device the run registered (the stand-in accelerator), retires itself
+  the same way.
 
 What it cannot reset is why some files keep ``run_distributed``'s spawns: modules
 imported once stay imported (a test of import side effects), process-wide
@@ -204,7 +205,12 @@ def _leftovers(spawned: "_ProcessState") -> str:
         if thread.ident not in spawned.threads:
             thread.join(timeout=_THREAD_GRACE_S)
     alive = [t.name for t in threading.enumerate() if t.ident not in spawned.threads]
-    return f"threads still alive after the run: {alive}" if alive else ""
+    if alive:
+        return f"threads still alive after the run: {alive}"
+    # A renamed PrivateUse1 backend (tests/_standin_device.py) cannot be undone: later
+    # runs' DCP and streams would see an accelerator.
+    device = torch._C._get_privateuse1_backend_name()
+    return f"a device registered by the run: {device}" if device != "privateuseone" else ""
 
 
 @dataclass

@@ -36,7 +36,6 @@ from dtensor_fsdp.post_training import offload_states, reload_states
 from tests import _standin_device as standin
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
-from tests._pool import GlooPools
 
 WORLD_SIZE = 2
 STEPS = 4
@@ -224,8 +223,11 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(gloo_pool: GlooPools) -> list[dict]:
-    return run_distributed(_worker, WORLD_SIZE, timeout=300, pool=gloo_pool)
+def run() -> list[dict]:
+    # Its own spawn, not the session's pool: the stand-in accelerator's registration
+    # (a renamed PrivateUse1 device) is process-wide and cannot be undone; a pooled
+    # rank keeping it makes later runs' DCP and streams see an accelerator.
+    return run_distributed(_worker, WORLD_SIZE, timeout=300)
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,17 @@ def _leaves_a_thread(rank: int, world_size: int) -> int:
     return os.getpid()
 
 
+def _registers_a_device(rank: int, world_size: int) -> int:
+    from tests import _standin_device
+
+    _standin_device.register()
+    return os.getpid()
+
+
+def _device_name(rank: int, world_size: int) -> str:
+    return torch._C._get_privateuse1_backend_name()
+
+
 def _sleeps(rank: int, world_size: int) -> None:
     time.sleep(60)
 
@@ -148,6 +159,14 @@ def test_a_run_that_leaves_a_thread_retires_its_workers(pool: WorkerPool) -> Non
     before = _pids(pool.run(_leaves_a_thread))
     after = _pids(pool.run(_state))
     assert not after & before
+
+
+@pytest.mark.full
+def test_a_run_that_registers_a_device_retires_its_workers(pool: WorkerPool) -> None:
+    """A renamed PrivateUse1 backend cannot be undone: a later run's DCP would see it."""
+    before = _pids(pool.run(_registers_a_device))
+    assert not _pids(pool.run(_state)) & before
+    assert pool.run(_device_name) == ["privateuseone"] * 2
 
 
 @pytest.mark.full
