@@ -274,8 +274,14 @@ def _forget_dtensor_caches() -> None:
     as another group."""
     from torch.distributed.tensor import DTensor, _redistribute
 
-    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch's own
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
     _redistribute._gen_transform_infos.cache_clear()
+    # Private, and not checked on torch 2.11 (the GPU machines'): the C++ dispatch's own
+    # cache and the tensor-meta one; a torch without them has them not to clear.
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
+    meta = getattr(propagator, "_propagate_tensor_meta_cached", None)
+    if meta is not None:
+        meta.cache_clear()
