@@ -1,7 +1,15 @@
 """Graph mode composes with the eager runtime's features: each configuration trains
 bitwise like eager mode with ``backend="aot_eager"`` (bucketing on), 3 AdamW steps, in
-fp32 and under bf16 mixed precision (``param_dtype`` bf16, ``reduce_dtype`` fp32): losses
+fp32 or under bf16 mixed precision (``param_dtype`` bf16, ``reduce_dtype`` fp32): losses
 and local shards after every step.
+
+One precision per feature (`PRECISION`), since each compile of the Llama costs ~5 CPU-s
+per rank: for a feature whose communication arithmetic tests/graph/test_conformance.py
+checks (offload, quantized wires, custom strategies, the process group's allocation,
+the all-reduce hook, HSDP's replicate leg and all-reduce), the precision that table
+does not run it in, so that the two files together run each in both; the features of
+the graph's structure (a registered method, a list group, a block called twice,
+disabling, GPT-2, hpZ) alternate.
 
 On 2 gloo ranks: CPU offload; quantized communication (int8 all-gather and
 reduce-scatter with error feedback); custom all-gather and reduce-scatter strategies;
@@ -173,7 +181,9 @@ class _Twice(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(96, 32)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 65), nn.ReLU(), nn.Linear(65, 32)) for _ in range(3))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 65), nn.ReLU(), nn.Linear(65, 32)) for _ in range(3)
+        )
         self.head = nn.Linear(32, 96)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -238,22 +248,43 @@ def _train(
     return {"losses": losses, "params": params}
 
 
+# The conformance table's precision for the feature is the other one (docstring).
+PRECISION = {
+    "cpu_offload": "fp32",  # conformance: offload under bf16 mixed precision
+    "comm_precision": "bf16",  # conformance: int8 wires on fp32
+    "custom_comms": "bf16",  # conformance: custom strategies on fp32
+    "process_group_allocation": "fp32",  # conformance: under mixed precision
+    "all_reduce_hook": "bf16",  # conformance: the hook on fp32
+    "registered_method": "fp32",
+    "list_group": "bf16",
+    "block_called_twice": "fp32",
+    "disable_graph_mode": "bf16",
+    "gpt2": "fp32",
+    "hsdp_quantized_replicate_leg": "bf16",  # conformance: replicate_only on fp32
+    "hsdp_all_reduce_on_the_last_micro_batch": "bf16",  # conformance: on fp32
+    "hpz": "bf16",  # the 1/k copies hold the bf16 unsharded params
+}
+POLICIES = {"fp32": None, "bf16": MP}
+
+
 def _eager_and_graph(
+    feature: str,
     build: Build,
     mesh: DeviceMesh,
     rank: int,
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _llama_loss,
+    after_step: Callable[[nn.Module, int], None] | None = None,
     **train: Any,
 ) -> dict:
-    """fp32 and bf16 mixed precision, each trained eager and in graph mode."""
-    records = {}
-    for dtype, mp in (("fp32", None), ("bf16", MP)):
-        eager = _train(build(mesh, mp), rank, loss_fn, **train)
-        torch._dynamo.reset()
-        graph_model = build(mesh, mp)
-        dtensor_fsdp.compile(graph_model, backend="aot_eager")
-        records[dtype] = {"eager": eager, "graph": _train(graph_model, rank, loss_fn, **train)}
-    return records
+    """The feature's precision (`PRECISION`), trained eager and in graph mode;
+    ``after_step`` in graph mode only."""
+    mp = POLICIES[PRECISION[feature]]
+    eager = _train(build(mesh, mp), rank, loss_fn, **train)
+    torch._dynamo.reset()
+    graph_model = build(mesh, mp)
+    dtensor_fsdp.compile(graph_model, backend="aot_eager")
+    graph = _train(graph_model, rank, loss_fn, after_step=after_step, **train)
+    return {PRECISION[feature]: {"eager": eager, "graph": graph}}
 
 
 def _disable_after_two_steps(mesh: DeviceMesh, rank: int) -> dict:
@@ -264,17 +295,7 @@ def _disable_after_two_steps(mesh: DeviceMesh, rank: int) -> dict:
         if step == 1:
             dtensor_fsdp.disable_graph_mode(model)
 
-    records = {}
-    for dtype, mp in (("fp32", None), ("bf16", MP)):
-        eager = _train(_llama(mesh, mp), rank, _llama_loss)
-        torch._dynamo.reset()
-        graph_model = _llama(mesh, mp)
-        dtensor_fsdp.compile(graph_model, backend="aot_eager")
-        records[dtype] = {
-            "eager": eager,
-            "graph": _train(graph_model, rank, _llama_loss, after_step=disable),
-        }
-    return records
+    return _eager_and_graph("disable_graph_mode", _llama, mesh, rank, after_step=disable)
 
 
 def _scored_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -286,27 +307,41 @@ def _two_ranks(rank: int, world_size: int) -> dict:
     return run_scenarios(
         {
             "cpu_offload": lambda: _eager_and_graph(
+                "cpu_offload",
                 lambda m, mp: _llama(m, mp, offload_policy=CPUOffloadPolicy(pin_memory=False)),
                 mesh,
                 rank,
             ),
             "comm_precision": lambda: _eager_and_graph(
-                _configure(_llama, _comm_precision), mesh, rank
+                "comm_precision", _configure(_llama, _comm_precision), mesh, rank
             ),
-            "custom_comms": lambda: _eager_and_graph(_configure(_llama, _custom_comms), mesh, rank),
+            "custom_comms": lambda: _eager_and_graph(
+                "custom_comms", _configure(_llama, _custom_comms), mesh, rank
+            ),
             "process_group_allocation": lambda: _eager_and_graph(
-                _configure(_llama, _allocate_from_process_group), mesh, rank
+                "process_group_allocation",
+                _configure(_llama, _allocate_from_process_group),
+                mesh,
+                rank,
             ),
-            "all_reduce_hook": lambda: _eager_and_graph(_configure(_llama, _hook), mesh, rank),
-            "registered_method": lambda: _eager_and_graph(_scored, mesh, rank, _scored_loss),
+            "all_reduce_hook": lambda: _eager_and_graph(
+                "all_reduce_hook", _configure(_llama, _hook), mesh, rank
+            ),
+            "registered_method": lambda: _eager_and_graph(
+                "registered_method", _scored, mesh, rank, _scored_loss
+            ),
             "list_group": lambda: _eager_and_graph(
-                lambda m, mp: _llama(m, mp, list_group=True), mesh, rank
+                "list_group", lambda m, mp: _llama(m, mp, list_group=True), mesh, rank
             ),
             "block_called_twice": lambda: _eager_and_graph(
-                _twice, mesh, rank, lambda m, t: cross_entropy_loss(m(t[:, :-1]), t[:, 1:])
+                "block_called_twice",
+                _twice,
+                mesh,
+                rank,
+                lambda m, t: cross_entropy_loss(m(t[:, :-1]), t[:, 1:]),
             ),
             "disable_graph_mode": lambda: _disable_after_two_steps(mesh, rank),
-            "gpt2": lambda: _eager_and_graph(_gpt2, mesh, rank, _gpt2_loss),
+            "gpt2": lambda: _eager_and_graph("gpt2", _gpt2, mesh, rank, _gpt2_loss),
         }
     )
 
@@ -318,13 +353,20 @@ def _four_ranks(rank: int, world_size: int) -> dict:
     return run_scenarios(
         {
             "hsdp_quantized_replicate_leg": lambda: _eager_and_graph(
-                _configure(_llama, lambda m: m.set_comm_precision(replicate_only)), hsdp, rank
+                "hsdp_quantized_replicate_leg",
+                _configure(_llama, lambda m: m.set_comm_precision(replicate_only)),
+                hsdp,
+                rank,
             ),
             "hsdp_all_reduce_on_the_last_micro_batch": lambda: _eager_and_graph(
-                _llama, hsdp, rank, micro_batches=((True, False), (True, False), (True, True))
+                "hsdp_all_reduce_on_the_last_micro_batch",
+                _llama,
+                hsdp,
+                rank,
+                micro_batches=((True, False), (True, False), (True, True)),
             ),
             "hpz": lambda: _eager_and_graph(
-                lambda m, mp: _llama(m, mp, reshard_after_forward=2), flat, rank
+                "hpz", lambda m, mp: _llama(m, mp, reshard_after_forward=2), flat, rank
             ),
         }
     )
@@ -353,7 +395,9 @@ def _assert_bitwise(records: list[dict]) -> None:
         for dtype, runs in record.items():
             eager, graph = runs["eager"], runs["graph"]
             assert graph["losses"] == eager["losses"], (rank, dtype)
-            for step, (ours, theirs) in enumerate(zip(graph["params"], eager["params"], strict=True)):
+            for step, (ours, theirs) in enumerate(
+                zip(graph["params"], eager["params"], strict=True)
+            ):
                 for name, value in theirs.items():
                     assert torch.equal(ours[name], value), (rank, dtype, step, name)
 
