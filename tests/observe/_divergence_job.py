@@ -39,8 +39,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 DIM = 16
-STALL_S = 4.0  # how long the stalling rank sleeps; the check's timeout is shorter
-CHECK_TIMEOUT_S = 1.5
+STALL_S = 6.0  # how long the stalling rank sleeps; the check's timeout is shorter
+# The check's timeout in the diverging step, which starts at a barrier. The agreeing
+# step before it runs with the process group's (20 s): its ranks are apart by however
+# long each took to build and lazily initialize, seconds on a loaded machine.
+CHECK_TIMEOUT_S = 3.0
 DEADLINE_S = 1.0  # the collective watchdog's, for ``--impl ours_default``
 STRAGGLE_S = 2.5  # longer than the deadline: the others warn, then go on
 
@@ -81,7 +84,7 @@ def build(impl: str, hiddens: list[int], mesh) -> Net:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if impl == "ours":
-        model.set_divergence_check(True, timeout=CHECK_TIMEOUT_S)
+        model.set_divergence_check(True)
         model.set_nonfinite_grad_check(True)
     if impl == "ours_default":
         model.set_collective_watchdog(deadline=DEADLINE_S)
@@ -118,6 +121,8 @@ def _run(impl: str, scenario: str, mesh, rank: int) -> dict:
                     x[0, 0] = float("nan")
             if step == 1:
                 dist.barrier()
+                if impl == "ours":
+                    model.set_divergence_check(True, timeout=CHECK_TIMEOUT_S)
                 start = time.time()
                 if scenario == "stalls" and diverging:
                     time.sleep(STALL_S)

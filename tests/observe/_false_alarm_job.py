@@ -11,7 +11,9 @@ final parameters, so that the test can ask for torch's result and no error.
   holds the GIL in one C call (a regular expression that backtracks catastrophically,
   sized at start for at least ``--hold-s`` seconds) while rank 1 waits in the next
   forward's all-gather; ours runs with ``--deadline`` (the watchdog compares, and rank
-  0's watchdog thread cannot answer until the call returns).
+  0's watchdog thread cannot answer until the call returns). The other scenarios run
+  ours' defaults (a short deadline would also warn, rightly, when a loaded machine
+  stalls a rank for that long: not what they test).
 - ``late_waits``: rank 0 starts every step, and every block's forward, 0-3 ms late,
   so that rank 1's next wait outlasts a 1 ms slice of the bounded wait two times in
   three (ours: the slice set to 1 ms, a test-only knob); ours until ``--until-stalls``
@@ -41,9 +43,14 @@ from torch.distributed.device_mesh import init_device_mesh
 
 DIM = 16
 LATE_SLICE = timedelta(milliseconds=1)
+# late_waits: torch's run trains this many steps; ours' losses and parameters then are
+# compared with them, and ours trains on until its late waits are counted.
+COMPARED_STEPS = 200
 
 
-def shard(impl: str, model: nn.Module, mesh, deadline_s: float) -> nn.Module:
+def shard(impl: str, model: nn.Module, mesh, deadline_s: float | None = None) -> nn.Module:
+    """Each Linear and the whole ``fully_shard``; ours with the watchdog's default
+    deadline, or ``deadline_s``."""
     if impl == "ours":
         from dtensor_fsdp import fully_shard
     else:
@@ -52,7 +59,7 @@ def shard(impl: str, model: nn.Module, mesh, deadline_s: float) -> nn.Module:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    if impl == "ours":
+    if impl == "ours" and deadline_s is not None:
         model.set_collective_watchdog(deadline=deadline_s)
     return model
 
@@ -77,8 +84,8 @@ def batch(step: int, rank: int) -> torch.Tensor:
 
 def dcgan(impl: str, mesh, rank: int, args) -> dict:
     torch.manual_seed(0)
-    generator = shard(impl, mlp(DIM), mesh, args.deadline)
-    discriminator = shard(impl, mlp(1), mesh, args.deadline)
+    generator = shard(impl, mlp(DIM), mesh)
+    discriminator = shard(impl, mlp(1), mesh)
     optim = torch.optim.Adam(
         [{"params": generator.parameters()}, {"params": discriminator.parameters(), "lr": 2e-3}],
         lr=1e-3,
@@ -116,10 +123,12 @@ def hold_gil(seconds: float) -> float:
     return time.perf_counter() - start
 
 
-def train(impl: str, mesh, rank: int, args, steps: int, before_step, before_optim) -> dict:
+def train(
+    impl: str, mesh, rank: int, steps: int, before_step, before_optim, deadline_s=None
+) -> dict:
     """``steps`` steps of AdamW, or fewer when ``before_step(model, step)`` says stop."""
     torch.manual_seed(0)
-    model = shard(impl, mlp(1), mesh, args.deadline)
+    model = shard(impl, mlp(1), mesh, deadline_s)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(steps):
@@ -144,19 +153,23 @@ def gil_hold(impl: str, mesh, rank: int, args) -> dict:
         if step == 1 and rank == 0:
             held.append(hold_gil(args.hold_s))
 
-    result = train(impl, mesh, rank, args, 3, lambda model, step: False, before_optim)
+    result = train(
+        impl, mesh, rank, 3, lambda model, step: False, before_optim, args.deadline
+    )
     return {**result, "held_s": held[0] if held else None}
 
 
 def late_waits(impl: str, mesh, rank: int, args) -> dict:
     """Ours runs until both ranks together counted ``--until-stalls`` waits that
-    outlasted the 1 ms slice (checked every 50 steps), or ``--steps``; torch's runs
-    ``--steps`` (as many as ours ran)."""
+    outlasted the 1 ms slice (checked every 50 steps), or ``--steps``, and gives the
+    digest after `COMPARED_STEPS` steps too (``digest_compared``); torch's runs
+    ``--steps`` (`COMPARED_STEPS`)."""
     late = random.Random(rank)
     store = dist.distributed_c10d._get_default_store()
     # (threads, store keys) at step 200, once every rank published (its first stalled
     # wait added its key), and at the end.
     resources = []
+    compared = []
 
     def late_block(module: nn.Module, args: tuple) -> None:
         time.sleep(late.uniform(0.0, 0.003))
@@ -170,6 +183,8 @@ def late_waits(impl: str, mesh, rank: int, args) -> dict:
             model._get_fsdp_state().watchdog.slice = LATE_SLICE
         if step == 200:
             resources.append((threading.active_count(), store.num_keys()))
+        if step == COMPARED_STEPS:
+            compared.append(digest(model))
         if impl == "ours" and step > 0 and step % 50 == 0:
             stalls = torch.tensor(model._get_fsdp_state().watchdog.stalls)
             dist.all_reduce(stalls)  # not FSDP's: the loop's own stopping rule
@@ -179,9 +194,9 @@ def late_waits(impl: str, mesh, rank: int, args) -> dict:
             time.sleep(late.uniform(0.0, 0.003))
         return False
 
-    result = train(impl, mesh, rank, args, args.steps, before_step, lambda step: None)
+    result = train(impl, mesh, rank, args.steps, before_step, lambda step: None)
     resources.append((threading.active_count(), store.num_keys()))
-    return {**result, "resources": resources}
+    return {**result, "resources": resources, "digest_compared": compared[0] if compared else None}
 
 
 SCENARIOS = {"dcgan": dcgan, "gil_hold": gil_hold, "late_waits": late_waits}
@@ -202,7 +217,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", choices=("ours", "torch"), required=True)
     parser.add_argument("--scenarios", required=True, help="comma-separated, run in order")
-    parser.add_argument("--deadline", type=float, default=60.0, help="ours' watchdog's")
+    parser.add_argument("--deadline", type=float, default=60.0, help="ours' in gil_hold")
     parser.add_argument("--hold-s", type=float, default=6.0)
     parser.add_argument("--steps", type=int, default=100, help="late_waits' (at most)")
     parser.add_argument("--until-stalls", type=int, default=10_000, help="late_waits, ours")
