@@ -14,13 +14,23 @@ compiles with inductor fails, naming the fix (tests/_harness.py, `require_full`)
 ``gloo_pool``: the session's reusable gloo ranks, 2 or 4 (tests/_pool.py).
 """
 
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests import _harness, _torchrun
-from tests._pool import GlooPools
+# Bytecode caches, before the first import of dtensor_fsdp: where the environment turns
+# their writing off (PYTHONDONTWRITEBYTECODE), every rank, pool worker, torchrun child
+# and subprocess of the session would compile dtensor_fsdp and the test modules from
+# source again (~0.4 CPU-s each). Spawned ranks still get ``-B`` from this process's
+# start-up flags: they read what this process and the torchrun children wrote.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+from tests import _harness, _torchrun  # noqa: E402
+from tests._pool import GlooPools  # noqa: E402
 
 TESTS = Path(__file__).parent
 
