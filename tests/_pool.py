@@ -247,7 +247,14 @@ class _ProcessState:
         torch.set_rng_state(self.torch_rng)
         random.setstate(self.python_rng)
         torch.set_default_dtype(self.default_dtype)
-        torch.use_deterministic_algorithms(self.deterministic)
+        # The setter imports inductor's config, and with it dynamo (about 1 s of CPU in
+        # a worker whose runs import neither): called only where it has something to
+        # undo (a run that called it imported the config, whose flag it also sets).
+        if (
+            torch.are_deterministic_algorithms_enabled() != self.deterministic
+            or "torch._inductor.config" in sys.modules
+        ):
+            torch.use_deterministic_algorithms(self.deterministic)
         torch.set_float32_matmul_precision(self.matmul_precision)
         torch.set_grad_enabled(True)
         torch.autograd.set_detect_anomaly(False)

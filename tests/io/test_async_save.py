@@ -9,9 +9,9 @@ every param after the first of a group is a view into the group's sharded buffer
 the stager mistook such a DTensor for one with storage of its own (see [Note: state-dict
 values own their storage] in ``io/state_dict.py``).
 
-One 2-rank spawn trains ``K`` steps, saves the same state dict with ``dcp.save`` and
+One run on 2 ranks trains ``K`` steps, saves the same state dict with ``dcp.save`` and
 ``dcp.async_save``, trains ``M`` more steps while the upload runs (the uninterrupted
-run), then waits on the future. Spawns at 1, 2 and 4 ranks resume fresh models from
+run), then waits on the future. Runs on 1, 2 and 4 ranks resume fresh models from
 each checkpoint (``dcp.load`` + ``set_state_dict``) and train the ``M`` steps again.
 Checked bitwise, for each implementation and variant (plain, bf16 mixed precision, CPU
 offload): the async resume equals the sync resume and the state at the save, params
@@ -39,6 +39,7 @@ from dtensor_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tests._harness import run_distributed, run_scenarios, scenario_records
 from tests._mlp import mlp, shard_mlp
 from tests._parity import full, full_state
+from tests._pool import GlooPools
 
 SAVE_WORLD_SIZE = 2
 LOAD_WORLD_SIZES = (1, 2, 4)
@@ -197,12 +198,21 @@ def _resume_worker(rank: int, world_size: int, tmp: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
+def runs(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> dict[int, list[dict]]:
+    # On the session's pool (2 and 4 ranks; 1 rank spawns): the upload's thread ends
+    # with its future (torch's executor shuts down when the save is done), and a worker
+    # that still finds it alive after the run retires, as for any run.
     tmp = str(tmp_path_factory.mktemp("async_save"))
-    out = {SAVE_WORLD_SIZE: run_distributed(_save_worker, SAVE_WORLD_SIZE, tmp, timeout=300)}
+    out = {
+        SAVE_WORLD_SIZE: run_distributed(
+            _save_worker, SAVE_WORLD_SIZE, tmp, timeout=300, pool=gloo_pool
+        )
+    }
     for world_size in LOAD_WORLD_SIZES:
         if world_size != SAVE_WORLD_SIZE:
-            out[world_size] = run_distributed(_resume_worker, world_size, tmp, timeout=300)
+            out[world_size] = run_distributed(
+                _resume_worker, world_size, tmp, timeout=300, pool=gloo_pool
+            )
     return out
 
 

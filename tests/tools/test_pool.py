@@ -41,6 +41,7 @@ def _state(rank: int, world_size: int) -> dict[str, Any]:
         "sum": summed.item(),
         "groups": len(dist.distributed_c10d._world.pg_map),
         "dtype": torch.get_default_dtype(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
         "grad": torch.is_grad_enabled(),
         "matmul": torch.get_float32_matmul_precision(),
         "path": list(sys.path),
@@ -55,6 +56,7 @@ def _state(rank: int, world_size: int) -> dict[str, Any]:
 def _dirty(rank: int, world_size: int, tmp: str) -> int:
     """Leave everything a run could leave behind, short of a thread."""
     torch.set_default_dtype(torch.float64)
+    torch.use_deterministic_algorithms(True)
     torch.set_grad_enabled(False)
     torch.set_float32_matmul_precision("medium")
     sys.path.insert(0, tmp)
