@@ -8,8 +8,10 @@ defaults but a 1 s deadline (``set_collective_watchdog(deadline=1.0)``). Torch's
 ``fully_shard`` and ours with the watchdog off abort on the same scenarios
 (``test_divergence.py::test_without_checks_nan_spreads_and_divergence_aborts``). The
 launcher shares its own store with the workers (torchrun's default), so that the store
-outlives a worker gloo killed; its monitor interval is longer than the answer timeout, so
-that it does not stop the survivors before they report.
+outlives a worker gloo killed. Its agent stops the other workers at its first look after
+one died; the first look comes a monitor interval (`MONITOR_S`) after the workers start,
+long after the fault and the survivor's report (13 s into a launch on a loaded machine;
+with a 10 s interval a look once fell between the death and the report).
 """
 
 import re
@@ -25,13 +27,14 @@ LAUNCH_DEADLINE_S = 90.0
 # After the deadline: one comparison through the store (milliseconds), or the answer
 # timeout (the deadline) for a rank that died; the rest is room for a loaded machine.
 SLACK_S = 5.0
+MONITOR_S = 30.0
 
 
 def _run(tmp: Path, scenarios: str) -> tuple[Launch, list[dict]]:
     out = tmp / "ours_default"
     launch = torchrun(
         JOB, "--impl", "ours_default", "--scenarios", scenarios, "--out", str(out),
-        log=tmp / "job.log", deadline_s=LAUNCH_DEADLINE_S, monitor_interval_s=10.0,
+        log=tmp / "job.log", deadline_s=LAUNCH_DEADLINE_S, monitor_interval_s=MONITOR_S,
         share_store=True,
     )  # fmt: skip
     return launch, read_records(str(out))
