@@ -3,9 +3,12 @@
     .ci/run 2>&1 | tee ci.log                                    # the full suite
     python tools/suite_times.py ci.log                            # print the figures
     python tools/suite_times.py ci.log --write docs/testing.md    # replace its "full" block
-    python -m pytest tests -m "not full" -q -p no:cacheprovider --durations=25 \\
-        2>&1 | tee fast.log                                      # the fast tier
+    python -m pytest tests -n 2 --dist loadfile -m "not full" -q -p no:cacheprovider \\
+        --durations=25 2>&1 | tee fast.log                       # the fast tier
     python tools/suite_times.py fast.log --write docs/testing.md --block fast
+
+``--command`` names what ran where it is not the block's usual command (the README's
+test command in the development venv rather than ``.ci/run``'s fresh one).
 
 Reads pytest's summary line (``1358 passed, 1 skipped in 1022.31s (0:17:02)``), its
 ``--durations`` table and the lines ``.ci/run`` prints around the tests (the machine's
@@ -87,7 +90,10 @@ def write_block(document: str, name: str, body: str) -> str:
 
 COMMANDS = {
     "full": ".ci/run",
-    "fast": 'python -m pytest tests -m "not full" -q -p no:cacheprovider --durations=25',
+    "fast": (
+        'python -m pytest tests -n 2 --dist loadfile -m "not full" -q -p no:cacheprovider'
+        " --durations=25"
+    ),
 }
 
 
@@ -96,8 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("log", type=Path, help="the run's output")
     parser.add_argument("--write", type=Path, help="the document whose block to replace")
     parser.add_argument("--block", choices=sorted(COMMANDS), default="full")
+    parser.add_argument("--command", help="what ran, if not the block's usual command")
     args = parser.parse_args(argv)
-    body = render(parse(args.log.read_text()), COMMANDS[args.block])
+    body = render(parse(args.log.read_text()), args.command or COMMANDS[args.block])
     if args.write is None:
         print(body)
         return

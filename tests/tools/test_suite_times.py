@@ -55,3 +55,14 @@ def test_only_the_named_block_is_replaced(tmp_path) -> None:
     assert "old\n" not in text and "old fast" in text and text.endswith("tail\n")
     with pytest.raises(ValueError, match="no block"):
         write_block("no markers here", "full", "x")
+
+
+def test_command_names_what_ran(tmp_path) -> None:
+    document = tmp_path / "testing.md"
+    document.write_text("<!-- test-times:full -->\nold\n<!-- /test-times:full -->\n")
+    log = tmp_path / "dev.log"
+    log.write_text(OUTPUT)
+    main([str(log), "--write", str(document), "--command", "the README's test command"])
+    assert document.read_text().startswith(
+        "<!-- test-times:full -->\n`the README's test command`: 1357 passed"
+    )
