@@ -124,9 +124,11 @@ def hold_gil(seconds: float) -> float:
 
 
 def train(
-    impl: str, mesh, rank: int, steps: int, before_step, before_optim, deadline_s=None
-) -> dict:
-    """``steps`` steps of AdamW, or fewer when ``before_step(model, step)`` says stop."""
+    impl: str, mesh, rank: int, steps: int, before_step, before_optim,
+    deadline_s: float | None = None,
+) -> dict:  # fmt: skip
+    """``steps`` steps of AdamW, or fewer when ``before_step(model, step)`` says stop;
+    ours' watchdog with ``deadline_s``, or its default."""
     torch.manual_seed(0)
     model = shard(impl, mlp(1), mesh, deadline_s)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
