@@ -21,7 +21,9 @@ What a run finds is what a fresh spawn would give it:
   the next run spawns a fresh pair, and a worker that finds Python threads or a
   process group still alive after a run it passed (a watchdog, an async checkpoint
   writer), or a device the run registered (the stand-in accelerator), retires itself
-  the same way.
+  the same way, with a `PoolRetired` warning that names the run and why (each costs
+  the next run a spawn). tqdm's monitor thread, which a progress bar left open keeps
+  for the process's life, is stopped instead: the next bar starts another.
 
 What it cannot reset is why some files keep ``run_distributed``'s spawns: modules
 imported once stay imported (a test of import side effects), process-wide
@@ -55,6 +57,11 @@ from tests._harness import DEFAULT_TIMEOUT_S, collect, run_in_group, send, stop
 _START_TIMEOUT_S = 600.0
 # How long a worker waits for a run's Python threads to end before retiring.
 _THREAD_GRACE_S = 2.0
+
+
+class PoolRetired(UserWarning):
+    """A run left its workers unfit for the next (a thread, a device): shown in the
+    session's warnings summary, since each costs a spawn."""
 
 
 class GlooPools:
@@ -116,6 +123,15 @@ class WorkerPool:
             raise
         finally:
             shutil.rmtree(store_dir, ignore_errors=True)
+        if outcome.retired:
+            reasons = sorted({reason for _, reason in outcome.retired})
+            warnings.warn(
+                f"the pool's {self.world_size} ranks retired after "
+                f"{fn.__module__}.{fn.__qualname__}: {'; '.join(reasons)}; the next run "
+                "spawns fresh ones (about 3 s of CPU per rank)",
+                PoolRetired,
+                stacklevel=2,
+            )
         if outcome.errors or outcome.retired:
             self.close(patience_s=0.0 if outcome.errors else 5.0)  # fresh workers next run
         return outcome.results_or_raise(self.world_size)
@@ -201,6 +217,7 @@ def _leftovers(spawned: "_ProcessState") -> str:
     gc.collect()  # finalizers of the run's models: watchdog threads close here
     if dist.is_initialized():
         dist.destroy_process_group()
+    _stop_tqdm_monitor()
     for thread in threading.enumerate():
         if thread.ident not in spawned.threads:
             thread.join(timeout=_THREAD_GRACE_S)
@@ -211,6 +228,17 @@ def _leftovers(spawned: "_ProcessState") -> str:
     # runs' DCP and streams would see an accelerator.
     device = torch._C._get_privateuse1_backend_name()
     return f"a device registered by the run: {device}" if device != "privateuseone" else ""
+
+
+def _stop_tqdm_monitor() -> None:
+    """End tqdm's monitor thread, which a progress bar of the run (Hugging Face's,
+    Lightning's) starts and which lives until the process ends if a bar was not closed;
+    the next bar starts a new one. Left alone, it would retire the workers."""
+    tqdm = sys.modules.get("tqdm.std")
+    monitor = getattr(getattr(tqdm, "tqdm", None), "monitor", None)
+    if monitor is not None:
+        monitor.exit()
+        tqdm.tqdm.monitor = None
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests._harness import DistributedError, run_distributed, set_running_test
-from tests._pool import GlooPools, WorkerPool
+from tests._pool import GlooPools, PoolRetired, WorkerPool
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,18 @@ def _raises_on_rank_1(rank: int, world_size: int) -> None:
 def _leaves_a_thread(rank: int, world_size: int) -> int:
     threading.Thread(target=time.sleep, args=(60,), daemon=True, name="left behind").start()
     return os.getpid()
+
+
+_BARS: list = []  # open progress bars, as a framework may keep one
+
+
+def _leaves_a_progress_bar(rank: int, world_size: int) -> tuple[int, bool]:
+    import io
+
+    from tqdm import tqdm
+
+    _BARS.append(tqdm(total=1, file=io.StringIO()))
+    return os.getpid(), tqdm.monitor is not None and tqdm.monitor.is_alive()
 
 
 def _registers_a_device(rank: int, world_size: int) -> int:
@@ -158,15 +170,29 @@ def test_a_failed_run_raises_and_the_next_run_gets_fresh_workers(pool: WorkerPoo
 
 @pytest.mark.full
 def test_a_run_that_leaves_a_thread_retires_its_workers(pool: WorkerPool) -> None:
-    before = _pids(pool.run(_leaves_a_thread))
+    with pytest.warns(PoolRetired, match=r"_leaves_a_thread: threads still alive .*'left behind'"):
+        before = _pids(pool.run(_leaves_a_thread))
     after = _pids(pool.run(_state))
     assert not after & before
 
 
 @pytest.mark.full
+def test_a_progress_bar_left_open_keeps_the_workers(pool: WorkerPool) -> None:
+    """tqdm's monitor thread (a Hugging Face or Lightning progress bar not closed) is
+    stopped after the run, not a reason to retire; the next bar starts its own."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PoolRetired)
+        before = pool.run(_leaves_a_progress_bar)
+        after = pool.run(_leaves_a_progress_bar)
+    assert _pids(after) == _pids(before)
+    assert all(monitor for _, monitor in before + after), "the bars started their monitors"
+
+
+@pytest.mark.full
 def test_a_run_that_registers_a_device_retires_its_workers(pool: WorkerPool) -> None:
     """A renamed PrivateUse1 backend cannot be undone: a later run's DCP would see it."""
-    before = _pids(pool.run(_registers_a_device))
+    with pytest.warns(PoolRetired, match="a device registered by the run: "):
+        before = _pids(pool.run(_registers_a_device))
     assert not _pids(pool.run(_state)) & before
     assert pool.run(_device_name) == ["privateuseone"] * 2
 
