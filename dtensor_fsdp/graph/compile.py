@@ -11,7 +11,6 @@ from torch import nn
 from ..runtime.observer import Observers
 from ..runtime.state import state_of
 from ..runtime.streams import CommStreams
-from .backend import graph_backend, inductor_mode_options
 from .observed import ObserversOf
 from .switch import enable_graph_mode, gather_plans
 
@@ -55,6 +54,10 @@ def compile(
         not change). ``dtensor_fsdp.disable_graph_mode(model)`` returns it to eager
         mode, uncompiled.
     """
+    # Here, not at import: the backends import AOTAutograd, its partitioner (networkx)
+    # and inductor's config, ~0.3 s of CPU that `import dtensor_fsdp` need not pay.
+    from .backend import graph_backend, inductor_mode_options
+
     inductor_options = {**inductor_mode_options(mode), **(options or {})}
     graph_backend(backend, None, None, inductor_options)  # bad arguments fail before the switch
     enable_graph_mode(model)

@@ -1,24 +1,47 @@
-"""``import dtensor_fsdp`` does not import ``torch.distributed.pipelining``: the adapter
-for torch's pipeline schedules (``dtensor_fsdp.pipelining``) imports it, and is imported
-only where a pipeline is built. A fresh interpreter, so nothing the test session
-imported leaks in."""
+"""``import dtensor_fsdp`` leaves what only some jobs use unimported, in a fresh
+interpreter (so nothing the test session imported leaks in):
+
+- ``torch.distributed.pipelining``: the adapter for torch's pipeline schedules
+  (``dtensor_fsdp.pipelining``) imports it, and is imported only where a pipeline is
+  built;
+- graph mode's compiler: AOTAutograd and its partitioner (which imports networkx) load
+  at the first ``dtensor_fsdp.compile``, not with the package (~0.3 s of CPU in every
+  process, a test's ranks included).
+
+Each check has its control: the import that should bring the module in, seen to.
+"""
 
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = """
 import sys
 import dtensor_fsdp
-print("torch.distributed.pipelining" in sys.modules)
+def imported():
+    return ["torch.distributed.pipelining" in sys.modules,
+            "torch._functorch.partitioners" in sys.modules]
+print(*imported())
 import dtensor_fsdp.pipelining
-print("torch.distributed.pipelining" in sys.modules)
+import dtensor_fsdp.graph.backend
+print(*imported())
 """
 
 
-def test_import_dtensor_fsdp_leaves_pipelining_unimported():
+@pytest.fixture(scope="module")
+def imported() -> list[list[str]]:
+    """Per module checked: imported after ``import dtensor_fsdp``, then after its control."""
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT], check=False, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    # The second line is the control: the check sees the import when it happens.
-    assert result.stdout.split() == ["False", "True"], result.stdout
+    return [list(pair) for pair in zip(*(line.split() for line in result.stdout.splitlines()))]
+
+
+def test_import_dtensor_fsdp_leaves_pipelining_unimported(imported):
+    assert imported[0] == ["False", "True"]
+
+
+def test_import_dtensor_fsdp_leaves_the_graph_compiler_unimported(imported):
+    assert imported[1] == ["False", "True"]
