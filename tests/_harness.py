@@ -407,6 +407,16 @@ def run_scenarios(scenarios: dict[str, Callable[[], Any]]) -> dict[str, tuple[st
     return results
 
 
+def end_watchdog(model: torch.nn.Module) -> None:
+    """Stop the collective watchdog's threads of ``model``'s root (ours; torch's has
+    none), for a run that tracked it with torch's ``MemTracker``: the tracker's hooks,
+    held from C++ by autograd nodes, keep the tracked model alive after the run
+    (torch's own FSDP states stay alive the same way), and with it those threads,
+    which would retire the pool's workers."""
+    if hasattr(model, "set_collective_watchdog"):
+        model.set_collective_watchdog(False)
+
+
 # ---------------------------------------------------------------------------
 # Single process, fake process group
 # ---------------------------------------------------------------------------

@@ -41,6 +41,7 @@ import tempfile
 import threading
 import traceback
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -221,9 +222,10 @@ def _leftovers(spawned: "_ProcessState") -> str:
     for thread in threading.enumerate():
         if thread.ident not in spawned.threads:
             thread.join(timeout=_THREAD_GRACE_S)
-    alive = [t.name for t in threading.enumerate() if t.ident not in spawned.threads]
+    alive = Counter(t.name for t in threading.enumerate() if t.ident not in spawned.threads)
     if alive:
-        return f"threads still alive after the run: {alive}"
+        names = ", ".join(f"{name!r}" + (f" x {n}" if n > 1 else "") for name, n in alive.items())
+        return f"threads still alive after the run: {names}"
     # A renamed PrivateUse1 backend (tests/_standin_device.py) cannot be undone: later
     # runs' DCP and streams would see an accelerator.
     device = torch._C._get_privateuse1_backend_name()

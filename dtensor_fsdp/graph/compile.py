@@ -2,6 +2,7 @@
 
 import logging
 import statistics
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -79,15 +80,21 @@ def _observers_of(model: nn.Module) -> ObserversOf:
     attached to the root's groups (the flight recorder and the checks are attached to
     every group of the tree; a ``CommTrace`` set on the root too), read at each launch,
     with the root's streams and device."""
-    root = state_of(model)
-    assert root is not None and root.ctx is not None  # enable_graph_mode ran lazy init
-
-    # A root without parameters of its own: its tree's groups.
-    groups = root.groups or [g for s in root.states_in_tree for g in s.groups]
+    state = state_of(model)
+    assert state is not None and state.ctx is not None  # enable_graph_mode ran lazy init
+    # Weakly: dynamo keeps each compiled graph, and with it this function, in the
+    # globals of the compiled frame's module (graph/switch.py) for the process's life;
+    # a strong reference would keep the model, its parameters and its watchdog alive
+    # after the user dropped it.
+    root = weakref.ref(state)
 
     def observers_of() -> tuple[Observers, CommStreams, torch.device]:
+        state = root()
+        assert state is not None and state.ctx is not None, "the compiled model is gone"
+        # A root without parameters of its own: its tree's groups.
+        groups = state.groups or [g for s in state.states_in_tree for g in s.groups]
         observers = groups[0].observers if len(groups) == 1 else _union(groups)
-        return observers, root.ctx.streams, root.device
+        return observers, state.ctx.streams, state.device
 
     return observers_of
 

@@ -42,6 +42,7 @@ import logging
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -69,7 +70,10 @@ class CollectiveRecord(CollectiveWatch):
     def __init__(
         self, recorder: "FlightRecorder", group: dist.ProcessGroup, seq: int, c: Collective
     ) -> None:
-        self.recorder = recorder
+        # Weakly: the stall poller keeps the records of device collectives and graph
+        # launches until it next looks, and its thread must not keep the recorder (nor
+        # the root that owns it) alive: a dropped model's threads end with it.
+        self._recorder = weakref.ref(recorder)
         self.group = group  # named only when published: the name is a C++ call
         self.seq = seq
         self.fqn = c.fqn
@@ -85,6 +89,12 @@ class CollectiveRecord(CollectiveWatch):
         self.work: dist.Work | None = None
 
     waits = True  # the runtime's wait goes through `wait`
+
+    @property
+    def recorder(self) -> "FlightRecorder":
+        recorder = self._recorder()
+        assert recorder is not None, "a collective outlived its root's flight recorder"
+        return recorder
 
     def waiting(self) -> None:
         self.state = "waiting"

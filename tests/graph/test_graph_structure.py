@@ -10,7 +10,9 @@ same graph-mode model runs uncompiled.
 """
 
 import dataclasses
+import gc
 import warnings
+import weakref
 from collections import Counter
 
 import pytest
@@ -188,6 +190,21 @@ def test_disable_returns_to_eager(mesh) -> None:
     dtensor_fsdp.disable_graph_mode(model)
     assert not is_graph_mode(model) and type(model) is eager_class
     assert _recorded(model) == Counter(all_gather=5, reduce_scatter=3)
+
+
+def test_a_dropped_model_is_freed(mesh) -> None:
+    """Dynamo keeps each compiled graph for the process's life (in the globals of the
+    compiled frame's module, graph/switch.py, whatever ``torch._dynamo.reset`` clears):
+    nothing it holds may keep the model, so a model the user drops is freed with its
+    parameters (and a multi-rank root's watchdog threads), as in eager mode."""
+    model = build_blocks(mesh)
+    dtensor_fsdp.compile(model, backend="aot_eager")
+    model(torch.randn(4, 16)).sum().backward()
+    assert counters["stats"]["unique_graphs"] >= 1, "nothing compiled"
+    dropped = weakref.ref(model)
+    del model
+    gc.collect()
+    assert dropped() is None, "the compiled model outlived its last reference"
 
 
 def test_graph_mode_needs_the_root(mesh) -> None:

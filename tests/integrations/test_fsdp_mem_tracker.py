@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import dtensor_fsdp
 from dtensor_fsdp.integrations import use_dtensor_fsdp
-from tests._harness import fake_mesh, run_distributed
+from tests._harness import end_watchdog, fake_mesh, run_distributed
 from tests._pool import GlooPools
 
 _FORWARD_STATES = (
@@ -80,6 +80,7 @@ def _tracked_step(
         for stats in tracker.memory_tracking.values()
         if hasattr(stats, "snapshots")  # FSDP modules' stats; plain modules' have no states
     }
+    end_watchdog(model)
     return peak, modules
 
 

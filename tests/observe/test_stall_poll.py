@@ -9,8 +9,10 @@ complete when the test says so, and whose process group records its ``abort()``.
 torch's FSDP2 has no such path (it waits for the backend's timeout): nothing to compare.
 """
 
+import gc
 import json
 import logging
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -201,3 +203,27 @@ def test_collectives_that_complete_are_never_compared(store) -> None:
     finally:
         for rank in ranks:
             rank.close()
+
+
+def test_a_dropped_recorder_ends_its_threads(store) -> None:
+    """The poller keeps the records of the collectives it follows (here one that never
+    completes); they must not keep the recorder alive: a root the user drops (its
+    recorder with it) ends its three threads, as graph mode's launches showed."""
+    recorder = FlightRecorder(
+        0, timedelta(seconds=DEADLINE_S), timedelta(seconds=ANSWER_TIMEOUT_S)
+    )
+    start_threads(recorder, (store, store), 1)
+    collective = _collective(FakeGroup(), "blocks.0")
+    recorder.before_issue(collective)
+    record = recorder.issuing(collective)
+    assert isinstance(record, CollectiveRecord)
+    work = FakeWork()  # never completes: the poller follows it until the end
+    record.wait(work)  # type: ignore[arg-type]
+    assert len(_threads()) == 3, _threads()  # the watchdog, the publisher, the poller
+    del recorder, record
+    gc.collect()
+    assert _until(lambda: not _threads()), _threads()
+
+
+def _threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("dtensor_fsdp ")]

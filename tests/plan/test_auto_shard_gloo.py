@@ -17,7 +17,7 @@ from dtensor_fsdp import AutoPlan, auto_shard, fully_shard, plan
 from dtensor_fsdp.models.block_stack import BlockStack
 from dtensor_fsdp.plan.auto import AutoGroup, apply_calls
 from tests._c10d import C10dRecorder
-from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._harness import end_watchdog, run_distributed, run_scenarios, scenario_records
 from tests._pool import GlooPools
 
 N_BLOCKS, DIM, BATCH, STEPS = 8, 32, 16, 3
@@ -82,6 +82,7 @@ def _train(apply: Any) -> dict[str, Any]:
             losses.append(loss.item())
             collectives.append(recorder.records)
         peak = tracker.get_tracker_snapshot("peak")
+    end_watchdog(model)
     return {
         "losses": losses,
         "params": {n: p.to_local().detach().clone() for n, p in model.named_parameters()},

@@ -35,7 +35,7 @@ from dtensor_fsdp.models.llama import Llama, LlamaConfig, cross_entropy_loss
 from dtensor_fsdp.plan.recorders import FrozenSafeMemTracker, collective_totals
 from dtensor_fsdp.plan.settings import largest_module_list
 from tests._c10d import C10dRecorder
-from tests._harness import run_distributed, run_scenarios, scenario_records
+from tests._harness import end_watchdog, run_distributed, run_scenarios, scenario_records
 from tests._pool import GlooPools
 from tests._tiny_llama import frozen_tiny_llama
 
@@ -147,6 +147,7 @@ def _measure(name: str, shard: Callable[..., Any]) -> tuple[int, list]:
                 optimizer.step()
             optimizer.zero_grad()
         peak = tracker.get_tracker_snapshot("peak")
+    end_watchdog(model)
     return sum(s["Total"] for d, s in peak.items() if d.type == "cpu"), recorder.records
 
 
