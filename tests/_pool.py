@@ -236,11 +236,15 @@ def _stop_tqdm_monitor() -> None:
     """End tqdm's monitor thread, which a progress bar of the run (Hugging Face's,
     Lightning's) starts and which lives until the process ends if a bar was not closed;
     the next bar starts a new one. Left alone, it would retire the workers."""
-    tqdm = sys.modules.get("tqdm.std")
-    monitor = getattr(getattr(tqdm, "tqdm", None), "monitor", None)
-    if monitor is not None:
-        monitor.exit()
-        tqdm.tqdm.monitor = None
+    monitor = sys.modules.get("tqdm._monitor")
+    if monitor is None:
+        return
+    # By type, not through ``tqdm.tqdm.monitor``: a subclass's bars (``tqdm.auto``'s,
+    # Hugging Face's) keep theirs on the subclass. An exited monitor reports itself
+    # dead, and the next bar starts a new one.
+    for thread in threading.enumerate():
+        if isinstance(thread, monitor.TMonitor):
+            thread.exit()
 
 
 @dataclass

@@ -35,6 +35,7 @@ from tests._harness import fake_mesh
 from tests._tiny_llama import uneven_config
 from tests.graph._graphs import (
     GraphCollectives,
+    ResidualBlock,
     build_blocks,
     build_llama,
     compile_counting,
@@ -196,15 +197,26 @@ def test_a_dropped_model_is_freed(mesh) -> None:
     """Dynamo keeps each compiled graph for the process's life (in the globals of the
     compiled frame's module, graph/switch.py, whatever ``torch._dynamo.reset`` clears):
     nothing it holds may keep the model, so a model the user drops is freed with its
-    parameters (and a multi-rank root's watchdog threads), as in eager mode."""
-    model = build_blocks(mesh)
-    dtensor_fsdp.compile(model, backend="aot_eager")
-    model(torch.randn(4, 16)).sum().backward()
-    assert counters["stats"]["unique_graphs"] >= 1, "nothing compiled"
-    dropped = weakref.ref(model)
-    del model
+    parameters (and a multi-rank root's watchdog threads), as torch's ``fully_shard``
+    model compiled the same way (aot_eager) is."""
+    torch.manual_seed(0)
+    blocks = [ResidualBlock(16) for _ in range(2)]
+    theirs = torch.nn.Sequential(*blocks, torch.nn.Linear(16, 1))
+    for block in blocks:
+        torch_fully_shard(block, mesh=mesh)
+    torch_fully_shard(theirs, mesh=mesh)
+    theirs.compile(backend="aot_eager")
+    ours = build_blocks(mesh)
+    dtensor_fsdp.compile(ours, backend="aot_eager")
+    dropped = []
+    for model in (theirs, ours):
+        counters.clear()
+        model(torch.randn(4, 16)).sum().backward()
+        assert counters["stats"]["unique_graphs"] >= 1, "nothing compiled"
+        dropped.append(weakref.ref(model))
+    del theirs, ours, model, blocks, block
     gc.collect()
-    assert dropped() is None, "the compiled model outlived its last reference"
+    assert [ref() is None for ref in dropped] == [True, True], "torch's, ours outlived the user"
 
 
 def test_graph_mode_needs_the_root(mesh) -> None:

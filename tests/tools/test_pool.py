@@ -86,7 +86,7 @@ _BARS: list = []  # open progress bars, as a framework may keep one
 def _leaves_a_progress_bar(rank: int, world_size: int) -> tuple[int, bool]:
     import io
 
-    from tqdm import tqdm
+    from tqdm.auto import tqdm  # a subclass, as Hugging Face's bars
 
     _BARS.append(tqdm(total=1, file=io.StringIO()))
     return os.getpid(), tqdm.monitor is not None and tqdm.monitor.is_alive()
